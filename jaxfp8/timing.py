@@ -1,0 +1,70 @@
+"""CUPTI kernel times: device time of the kernels a call launches, without launch gaps or Python dispatch.
+
+JAX's `profiler.measure` jits what it is given, so it cannot time a PyTorch baseline; this module talks to the same
+CUPTI hooks directly so that JAX kernels and torch kernels are timed the same way in one process.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+
+def _cupti_ext():
+  try:
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+  except ImportError:
+    mosaic_gpu_lib = None
+  if mosaic_gpu_lib is None:
+    raise RuntimeError("CUPTI kernel timing needs a GPU build of jaxlib (jax-cuda plugin)")
+  return mosaic_gpu_lib._mosaic_gpu_ext
+
+
+def cupti_times_us(
+    run: Callable[[int], Any], *, iterations: int, sync: Callable[[Any], None] = jax.block_until_ready,
+    warmup: int = 2,
+) -> list[float]:
+  """Calls `run(i)` for i in range(iterations) under CUPTI; returns each call's summed kernel time in microseconds.
+
+  `run` must launch the same kernels on every call. `sync` waits for what it returns.
+  """
+  ext = _cupti_ext()
+  for i in range(warmup):
+    sync(run(i))
+  ext._cupti_init()
+  try:
+    outputs = [run(i) for i in range(iterations)]
+    for out in outputs:
+      sync(out)
+  finally:
+    timings = ext._cupti_get_timings(True)
+  if not timings:
+    raise RuntimeError("no kernel was recorded")
+  if len(timings) % iterations:
+    raise RuntimeError(f"{len(timings)} kernels recorded over {iterations} iterations: not the same kernels each call")
+  per_call = len(timings) // iterations
+  return [sum(t for _, t in timings[i * per_call:(i + 1) * per_call]) * 1e3 for i in range(iterations)]
+
+
+def median_kernel_us(
+    fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iterations: int = 30,
+    sync: Callable[[Any], None] = jax.block_until_ready,
+) -> float:
+  """Median CUPTI time of `fn(*args)`, rotating through `arg_sets` so that a small weight is not timed from L2."""
+  times = cupti_times_us(lambda i: fn(*arg_sets[i % len(arg_sets)]), iterations=iterations, sync=sync)
+  return statistics.median(times)
+
+
+def kernel_names(fn: Callable[..., Any], args: tuple, *, sync: Callable[[Any], None] = jax.block_until_ready) -> list[str]:
+  """Names of the kernels one call of `fn(*args)` launches (to check that a timed call ran what we think)."""
+  ext = _cupti_ext()
+  sync(fn(*args))
+  ext._cupti_init()
+  try:
+    sync(fn(*args))
+  finally:
+    timings = ext._cupti_get_timings(True)
+  return [name for name, _ in timings]
