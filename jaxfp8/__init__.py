@@ -1,0 +1,16 @@
+"""jaxfp8: DeepSeek-style block-scaled FP8 (1x128 activation scales, 128x128 weight scales) for JAX.
+
+Pallas kernels for NVIDIA Hopper (Mosaic GPU), portable Pallas-Triton kernels for sm >= 8.9 GPUs, and jnp code for
+every other platform, behind one API. `jaxfp8.reference` is the float64 NumPy oracle of the numerical contract.
+"""
+
+from jaxfp8 import reference
+from jaxfp8.quant import per_token_group_quant_fp8, per_token_group_quant_fp8_row_padded
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "reference",
+    "per_token_group_quant_fp8",
+    "per_token_group_quant_fp8_row_padded",
+]

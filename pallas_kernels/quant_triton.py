@@ -1,0 +1,172 @@
+"""Per-token-group FP8 quantization as a Triton-lowered Pallas kernel (any sm >= 8.9 GPU).
+
+Each program owns `block_rows` rows and `groups_per_block` consecutive groups of one batch entry. It writes the
+padded FP8 rows and the scales straight into their final layout (row-major, column-major or packed UE8M0), pad rows
+and TMA pad columns included, so no pad, transpose or concatenate runs around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+FP8_MAX = 448.0
+# float32(1/448): scale = amax * R, a multiply every backend rounds identically (SPEC 1).
+R = float(np.float32(1.0 / 448.0))
+SCALE_LAYOUTS = ("row", "col", "col_packed")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantTritonConfig:
+  block_rows: int = 16
+  groups_per_block: int = 4  # a multiple of 4 for the packed UE8M0 layout (one int32 word per 4 groups)
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    for name in ("block_rows", "groups_per_block"):
+      value = getattr(self, name)
+      if value <= 0 or value & (value - 1):
+        raise ValueError(f"QuantTritonConfig.{name} must be a positive power of two, got {value}")
+
+
+def default_config(rows: int, groups: int, group_size: int, scale_layout: str) -> QuantTritonConfig:
+  """A 16-row by 512-column tile per program: many programs in flight for the memory system."""
+  groups_per_block = max(1, 512 // pl.next_power_of_2(group_size))
+  groups_per_block = min(groups_per_block, pl.next_power_of_2(groups))
+  if scale_layout == "col_packed":
+    groups_per_block = max(4, groups_per_block)
+  block_rows = min(16, pl.next_power_of_2(max(rows, 1)))
+  return QuantTritonConfig(block_rows=block_rows, groups_per_block=groups_per_block, num_warps=4)
+
+
+def _exact_div(x: jax.Array, y: jax.Array, *, interpret: bool) -> jax.Array:
+  """x / y correctly rounded. Triton's f32 `/` is an approximate divide; PTX div.rn.f32 is IEEE."""
+  if interpret:
+    return x / y
+  (out,) = plt.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return out
+
+
+def _ue8m0(s: jax.Array) -> jax.Array:
+  """Smallest power of two >= s via exponent bits; NaN and inf pass through."""
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  exponent = bits & 0x7F800000
+  rounded = jnp.where((bits & 0x007FFFFF) != 0, exponent + 0x00800000, exponent)
+  return jnp.where(jnp.abs(s) < jnp.inf, lax.bitcast_convert_type(rounded, jnp.float32), s)
+
+
+def _kernel(valid_ref, x_ref, q_ref, s_ref, *, group_size, padded_group, eps, out_rows, rows_in, scale_layout,
+            scale_cols, scale_ue8m0, fuse_silu_and_mul, config, interpret):
+  batch = pl.program_id(0)
+  row_block = pl.program_id(1)
+  group_block = pl.program_id(2)
+  k = q_ref.shape[-1]
+  groups = k // group_size
+  valid_rows = jnp.minimum(valid_ref[batch], rows_in)
+
+  rows = row_block * config.block_rows + jnp.arange(config.block_rows)
+  live_row = rows < valid_rows
+  q_row_ok = rows < out_rows
+  scale_row_ok = rows < (out_rows if scale_layout == "row" else scale_cols)
+  lane = jnp.arange(padded_group)
+  lane_ok = lane < group_size
+
+  packed_word = jnp.zeros((config.block_rows,), jnp.int32)
+  for j in range(config.groups_per_block):
+    group = group_block * config.groups_per_block + j
+    group_ok = group < groups
+    cols = group * group_size + lane
+    load_mask = live_row[:, None] & (lane_ok & group_ok)[None, :]
+    x = plt.load(x_ref.at[batch, rows[:, None], cols[None, :]], mask=load_mask, other=0).astype(jnp.float32)
+    if fuse_silu_and_mul:
+      up = plt.load(x_ref.at[batch, rows[:, None], (cols + k)[None, :]], mask=load_mask, other=0)
+      silu = (x / (1.0 + jnp.exp(-x))).astype(x_ref.dtype).astype(jnp.float32)
+      x = (silu * up.astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
+
+    # Triton's float max drops NaN (maxnumf): track NaN separately so a NaN group gets a NaN scale (SPEC 1).
+    group_has_nan = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=1) > 0
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1), eps)
+    scale = jnp.where(group_has_nan, jnp.nan, amax * R)
+    if scale_ue8m0:
+      scale = _ue8m0(scale)
+    scale = jnp.where(live_row, scale, 1.0)  # pad rows: scale 1.0, q 0
+
+    quotient = _exact_div(x, jnp.broadcast_to(scale[:, None], x.shape), interpret=interpret)
+    # clip via min/max would turn NaN into +-448 (minnumf/maxnumf): keep NaN explicitly.
+    clipped = jnp.where(quotient != quotient, quotient, jnp.minimum(jnp.maximum(quotient, -FP8_MAX), FP8_MAX))
+    q = jnp.where(live_row[:, None], clipped, 0.0).astype(q_ref.dtype)
+    plt.store(q_ref.at[batch, rows[:, None], cols[None, :]], q,
+              mask=q_row_ok[:, None] & (lane_ok & group_ok)[None, :])
+
+    if scale_layout == "row":
+      plt.store(s_ref.at[batch, rows, jnp.full_like(rows, group)], scale, mask=scale_row_ok & group_ok)
+    elif scale_layout == "col":
+      plt.store(s_ref.at[batch, jnp.full_like(rows, group), rows], scale, mask=scale_row_ok & group_ok)
+    else:
+      exponent = (lax.bitcast_convert_type(scale, jnp.int32) >> 23) & 0xFF
+      packed_word = packed_word | jnp.where(group_ok, exponent, 0) << (8 * (j % 4))
+      if j % 4 == 3:
+        word = (group_block * config.groups_per_block + j) // 4
+        plt.store(s_ref.at[batch, jnp.full_like(rows, word), rows], packed_word,
+                  mask=scale_row_ok & (word < s_ref.shape[1]))
+        packed_word = jnp.zeros((config.block_rows,), jnp.int32)
+
+
+def per_token_group_quant(
+    x: jax.Array,
+    valid_rows: jax.Array,
+    *,
+    group_size: int,
+    eps: float,
+    out_rows: int,
+    scale_layout: str,
+    scale_cols: int,
+    scale_ue8m0: bool,
+    fuse_silu_and_mul: bool,
+    config: QuantTritonConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Quantizes x (E, T, K_in) into q (E, out_rows, K) e4m3fn and scales in `scale_layout`.
+
+  Arguments are validated by `jaxfp8.quant`; rows t >= valid_rows[e] (and t >= T) are pad rows.
+  """
+  batch, rows_in, k_in = x.shape
+  k = k_in // 2 if fuse_silu_and_mul else k_in
+  groups = k // group_size
+  if scale_layout not in SCALE_LAYOUTS:
+    raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+  if config is None:
+    config = default_config(out_rows, groups, group_size, scale_layout)
+  if scale_layout == "col_packed" and config.groups_per_block % 4:
+    raise ValueError(f"the packed UE8M0 layout needs groups_per_block % 4 == 0, got {config.groups_per_block}")
+
+  if scale_layout == "row":
+    s_shape, s_dtype, rows_covered = (batch, out_rows, groups), jnp.float32, out_rows
+  elif scale_layout == "col":
+    s_shape, s_dtype, rows_covered = (batch, groups, scale_cols), jnp.float32, scale_cols
+  else:
+    s_shape, s_dtype, rows_covered = (batch, -(-groups // 4), scale_cols), jnp.int32, scale_cols
+  grid = (batch, pl.cdiv(max(rows_covered, 1), config.block_rows), pl.cdiv(groups, config.groups_per_block))
+
+  kernel = functools.partial(
+      _kernel, group_size=group_size, padded_group=pl.next_power_of_2(group_size), eps=float(eps),
+      out_rows=out_rows, rows_in=rows_in, scale_layout=scale_layout, scale_cols=scale_cols,
+      scale_ue8m0=scale_ue8m0, fuse_silu_and_mul=fuse_silu_and_mul, config=config, interpret=interpret)
+  return pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((batch, out_rows, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct(s_shape, s_dtype)),
+      grid=grid,
+      compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="jaxfp8_quant_triton",
+  )(valid_rows.astype(jnp.int32), x)

@@ -1,0 +1,224 @@
+"""Per-token-group quantization: every implementation against the float64 reference (SPEC.md section 1).
+
+On CPU the Pallas kernels run in interpret mode; on a GPU (scripts/gpu_round.sh) the same tests run them for real.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfp8
+from jaxfp8 import _platform
+from jaxfp8 import reference as ref
+from quant_checks import INPUT_DTYPES, assert_matches_reference, random_activations
+
+IMPLEMENTATIONS = ["xla", "triton", "mosaic"]
+ON_GPU = _platform.gpu_compute_capability() is not None
+
+
+def _runnable(implementation: str) -> None:
+  if ON_GPU and implementation == "mosaic" and not _platform.is_hopper():
+    pytest.skip("the Mosaic GPU kernel needs Hopper")
+
+
+def _quantize_and_compare(x, group_size, implementation, *, context="", scale_ulps=0, **options):
+  q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), group_size, implementation=implementation, **options)
+  ref_q, ref_s = ref.per_token_group_quant_fp8(x, group_size, **options)
+  # Division by a power of two is exact: UE8M0 codes must match exactly.
+  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=options.get("scale_ue8m0", False),
+                           scale_ulps=scale_ulps, context=f"{implementation} {context} {options}")
+  return q, s
+
+
+OPTION_SETS = [
+    dict(),
+    dict(column_major_scales=True),
+    dict(column_major_scales=True, scale_tma_aligned=True),
+    dict(column_major_scales=True, scale_tma_aligned=True, row_alignment=4),
+    dict(row_alignment=8),
+    dict(scale_ue8m0=True),
+    dict(scale_ue8m0=True, column_major_scales=True, row_alignment=4),
+    dict(scale_ue8m0=True, pack_ue8m0=True),
+    dict(scale_ue8m0=True, pack_ue8m0=True, scale_tma_aligned=True, row_alignment=4),
+    dict(eps=1e-4),
+]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_every_option(implementation, options, rng):
+  _runnable(implementation)
+  # 13 rows (not a multiple of any alignment), 5 groups of 64 (packed words with an unused byte).
+  x = random_activations(rng, (13, 320), INPUT_DTYPES["bf16"])
+  _quantize_and_compare(x, 64, implementation, **options)
+
+
+# Every M the issue names, each with a different (K, G, dtype) so that together they cover K from 16 to 7168,
+# every power-of-two group size and every input dtype without the cost of the full product on CPU.
+SHAPE_CASES = list(zip(
+    [0, 1, 2, 3, 4, 5, 7, 13, 16, 31, 64, 256],
+    itertools.cycle([(16, 16), (7168, 128), (512, 32), (96, 48), (2048, 64), (384, 128), (640, 128), (256, 16),
+                     (1024, 128), (192, 64), (128, 128), (1536, 128)]),
+    itertools.cycle(["bf16", "f16", "f32"]),
+))
+
+
+@pytest.mark.parametrize("m, k_and_group, dtype", SHAPE_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_shapes(implementation, m, k_and_group, dtype, rng):
+  _runnable(implementation)
+  k, group_size = k_and_group
+  x = random_activations(rng, (m, k), INPUT_DTYPES[dtype])
+  _quantize_and_compare(x, group_size, implementation, context=f"M={m} K={k} G={group_size} {dtype}",
+                        column_major_scales=True, scale_tma_aligned=True, row_alignment=4)
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128, 48, 96])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_group_sizes(implementation, group_size, rng):
+  _runnable(implementation)
+  x = random_activations(rng, (7, group_size * 6), INPUT_DTYPES["f32"])
+  _quantize_and_compare(x, group_size, implementation, row_alignment=4, scale_ue8m0=True, pack_ue8m0=True)
+  _quantize_and_compare(x, group_size, implementation)
+
+
+@pytest.mark.parametrize("dtype", list(INPUT_DTYPES))
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fused_silu_and_mul(implementation, dtype, rng):
+  _runnable(implementation)
+  x = random_activations(rng, (9, 2 * 256), INPUT_DTYPES[dtype], spread=False) * 4
+  # exp() is rounded differently by each math library: with f32 inputs the SiLU result, and so its group's amax,
+  # may differ by an ulp; bf16/f16 inputs are rounded back to their dtype first, which almost always absorbs it.
+  _quantize_and_compare(x, 128, implementation, fuse_silu_and_mul=True, column_major_scales=True, row_alignment=4,
+                        scale_ulps=2)
+  _quantize_and_compare(x, 128, implementation, fuse_silu_and_mul=True, scale_ue8m0=True, pack_ue8m0=True,
+                        scale_ulps=2)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_masked_m(implementation, rng):
+  _runnable(implementation)
+  x = random_activations(rng, (4, 11, 256), INPUT_DTYPES["bf16"])
+  masked_m = np.array([0, 11, 5, 99], np.int32)  # empty, full, partial, beyond T (clamped)
+  for options in (dict(column_major_scales=True, row_alignment=4, scale_tma_aligned=True), dict(),
+                  dict(scale_ue8m0=True, pack_ue8m0=True, row_alignment=4)):
+    q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, masked_m=jnp.asarray(masked_m),
+                                            implementation=implementation, **options)
+    ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128, masked_m=masked_m, **options)
+    assert_matches_reference(q, s, ref_q, ref_s, exact_codes=options.get("scale_ue8m0", False),
+                             context=f"{implementation} masked {options}")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_nan_and_inf_rows(implementation, rng):
+  _runnable(implementation)
+  x = random_activations(rng, (6, 256), np.float32)
+  x[1, 3] = np.nan          # group 0 of row 1 gets a NaN scale; group 1 stays finite
+  x[2, 200] = np.inf        # group 1 of row 2: scale inf, finite values -> 0, inf/inf -> NaN
+  x[3, 0] = -np.inf
+  x[4, :] = 1e-30           # below eps: scale = eps * R
+  x[5, 10] = 1e30
+  for options in (dict(), dict(scale_ue8m0=True, column_major_scales=True, row_alignment=8)):
+    q, s = _quantize_and_compare(x, 128, implementation, **options)
+    s_rows = np.asarray(s) if not options else np.asarray(s).T
+    assert np.isnan(s_rows[1, 0]) and np.isfinite(s_rows[1, 1])
+    assert np.isnan(np.asarray(q)[1, :128].astype(np.float32)).any()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_padded_and_unpadded_agree_on_live_rows(implementation, rng):
+  _runnable(implementation)
+  x = random_activations(rng, (29, 384), INPUT_DTYPES["bf16"])
+  q1, s1 = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, implementation=implementation)
+  q4, s4 = jaxfp8.per_token_group_quant_fp8_row_padded(jnp.asarray(x), 128, implementation=implementation)
+  assert q4.shape == (32, 384) and s4.shape == (3, 32)
+  np.testing.assert_array_equal(np.asarray(q4)[:29].view(np.uint8), np.asarray(q1).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(s4)[:, :29].T.view(np.uint32), np.asarray(s1).view(np.uint32))
+  # Pad rows: q = 0, scale = 1.0.
+  assert not np.asarray(q4)[29:].view(np.uint8).any()
+  assert (np.asarray(s4)[:, 29:] == 1.0).all()
+
+
+def test_leading_batch_dims_are_flattened(rng):
+  x = random_activations(rng, (2, 3, 5, 256), INPUT_DTYPES["bf16"])
+  q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, implementation="xla")
+  ref_q, ref_s = ref.per_token_group_quant_fp8(x.reshape(30, 256), 128)
+  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=False)
+
+
+def test_works_under_jit(rng):
+  x = jnp.asarray(random_activations(rng, (10, 256), INPUT_DTYPES["bf16"]))
+  f = jax.jit(lambda v: jaxfp8.per_token_group_quant_fp8_row_padded(v * 2, 128, implementation="triton"))
+  q, s = f(x)
+  ref_q, ref_s = ref.per_token_group_quant_fp8(np.asarray(x * 2), 128, column_major_scales=True,
+                                               scale_tma_aligned=True, row_alignment=4)
+  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=False)
+
+
+def test_default_implementation_on_cpu_is_xla():
+  if ON_GPU:
+    pytest.skip("CPU dispatch")
+  from jaxfp8.quant import resolve_implementation
+  assert resolve_implementation(None, interpret=True) == "xla"
+
+
+# ---- errors: each names the argument and the value -------------------------------------------------------------
+
+ERROR_CASES = [
+    (dict(x=np.zeros((4, 100), np.float32), group_size=128), ValueError, "group_size=128"),
+    (dict(x=np.zeros((4, 128), np.int32), group_size=128), TypeError, "int32"),
+    (dict(x=np.zeros((128,), np.float32), group_size=128), ValueError, "shape"),
+    (dict(x=np.zeros((4, 128), np.float32), group_size=0), ValueError, "group_size"),
+    (dict(x=np.zeros((4, 128), np.float32), group_size=-64), ValueError, "-64"),
+    (dict(x=np.zeros((4, 128), np.float32), group_size=128, row_alignment=0), ValueError, "row_alignment"),
+    (dict(x=np.zeros((4, 128), np.float32), group_size=128, eps=0.0), ValueError, "eps"),
+    (dict(x=np.zeros((4, 128), np.float32), group_size=128, pack_ue8m0=True), ValueError, "scale_ue8m0"),
+    (dict(x=np.zeros((4, 128), np.float32), group_size=128, scale_tma_aligned=True), ValueError, "column_major"),
+    (dict(x=np.zeros((4, 129), np.float32), group_size=1, fuse_silu_and_mul=True), ValueError, "129"),
+    (dict(x=np.zeros((2, 4, 128), np.float32), group_size=128, masked_m=np.zeros((3,), np.int32)), ValueError, "(3,)"),
+    (dict(x=np.zeros((2, 4, 128), np.float32), group_size=128, masked_m=np.zeros((2,), np.int64)), TypeError, "int"),
+    (dict(x=np.zeros((4, 128), np.float32), group_size=128, masked_m=np.zeros((4,), np.int32)), ValueError, "(E, T, K)"),
+    (dict(x=np.zeros((4, 128), np.float32), group_size=128, implementation="cuda"), ValueError, "'cuda'"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, fragment", ERROR_CASES, ids=[c[2] for c in ERROR_CASES])
+def test_bad_input_is_rejected(kwargs, error, fragment):
+  kwargs = dict(kwargs)
+  x = kwargs.pop("x")
+  if "masked_m" in kwargs:
+    kwargs["masked_m"] = jnp.asarray(kwargs["masked_m"]) if kwargs["masked_m"].dtype != np.int64 else kwargs["masked_m"]
+  with pytest.raises(error, match=None) as info:
+    jaxfp8.per_token_group_quant_fp8(jnp.asarray(x) if x.dtype != np.int32 else x, **kwargs)
+  assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_kernel_without_gpu_needs_interpret(implementation):
+  if ON_GPU:
+    pytest.skip("only meaningful without a GPU")
+  with pytest.raises(ValueError, match=f"implementation='{implementation}'"):
+    jaxfp8.per_token_group_quant_fp8(jnp.zeros((4, 128), jnp.float32), 128, implementation=implementation,
+                                     interpret=False)
+
+
+# ---- on the GPU: real-model sizes, poisoned memory ---------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("m, k", [(1, 7168), (13, 18432), (64, 2048), (1000, 7168), (4096, 7168)])
+def test_gpu_real_sizes_on_poisoned_memory(implementation, m, k, rng):
+  _runnable(implementation)
+  x = random_activations(rng, (m, k), INPUT_DTYPES["bf16"])
+  for options in (dict(column_major_scales=True, scale_tma_aligned=True, row_alignment=4),
+                  dict(scale_ue8m0=True, pack_ue8m0=True, scale_tma_aligned=True, row_alignment=4)):
+    # Free NaN-filled buffers of the outputs' sizes first, so that unwritten output elements would read as garbage.
+    poison = [jnp.full((m + 8, k), jnp.nan, jnp.bfloat16) for _ in range(4)]
+    jax.block_until_ready(poison)
+    del poison
+    _quantize_and_compare(x, 128, implementation, context=f"M={m} K={k}", **options)
