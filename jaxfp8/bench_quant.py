@@ -1,0 +1,95 @@
+"""Benchmark of the activation quantizers on the GPU: CUPTI kernel times, bytes moved, share of copy bandwidth.
+
+All implementations and the copy-bandwidth ceiling are measured in the same process, so ratios are meaningful.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfp8 import quant, timing
+
+DEFAULT_MS = (1, 16, 64, 256, 1024, 4096, 16384)
+DEFAULT_KS = (512, 2048, 7168, 18432)
+
+
+def measure_copy_bandwidth(num_bytes: int = 1 << 30) -> float:
+  """Device-to-device streaming bandwidth (bytes read + written per second), the ceiling for a memory-bound kernel."""
+  a = jnp.asarray(np.random.default_rng(0).integers(0, 255, num_bytes // 4, dtype=np.uint32))
+  touch = jax.jit(lambda v: v ^ jnp.uint32(0x5A5A5A5A))  # one read and one write of every byte
+  us = timing.median_kernel_us(touch, [(a,)], iterations=20)
+  return 2 * num_bytes / (us * 1e-6)
+
+
+def quant_bytes(m: int, k: int, group_size: int, in_itemsize: int = 2) -> int:
+  """Fewest bytes a row-padded quantization must move: read x once, write q and the scales once."""
+  m_pad = -(-m // 4) * 4
+  return m * k * in_itemsize + m_pad * k + (k // group_size) * m_pad * 4
+
+
+def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS, implementations: Sequence[str] = quant.IMPLEMENTATIONS,
+        group_size: int = 128, out_json: str | None = None, iterations: int = 30, log=print) -> dict:
+  """Times `per_token_group_quant_fp8_row_padded` (bf16 input) for every (M, K) and implementation."""
+  copy_bw = measure_copy_bandwidth()
+  log(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write, same process)")
+  rows = []
+  rng = np.random.default_rng(0)
+  for k in ks:
+    for m in ms:
+      sets = max(1, min(4, (256 << 20) // (m * k * 2)))  # rotate inputs while they would fit in the 60 MB L2
+      arg_sets = [(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16),) for _ in range(sets)]
+      num_bytes = quant_bytes(m, k, group_size)
+      for implementation in implementations:
+        fn = jax.jit(lambda x, implementation=implementation: quant.per_token_group_quant_fp8_row_padded(
+            x, group_size, implementation=implementation, interpret=False))
+        try:
+          us = timing.median_kernel_us(fn, arg_sets, iterations=iterations)
+          row = dict(m=m, k=k, implementation=implementation, us=us, gbps=num_bytes / (us * 1e-6) / 1e9,
+                     pct_copy_bw=100 * num_bytes / (us * 1e-6) / copy_bw)
+        except Exception as e:  # a failing implementation is reported, not fatal for the others
+          row = dict(m=m, k=k, implementation=implementation, error=f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+        log(format_row(row))
+  result = dict(
+      benchmark="per_token_group_quant_fp8_row_padded (bf16 in, group 128, rows padded to 4, column-major scales)",
+      command=" ".join(sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      device=jax.devices()[0].device_kind, jax_version=jax.__version__, python=platform.python_version(),
+      copy_bandwidth_tbps=copy_bw / 1e12, timing="CUPTI kernel time, median of %d calls" % iterations, rows=rows)
+  if out_json:
+    with open(out_json, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
+
+
+def format_row(row: dict) -> str:
+  if "error" in row:
+    return f"M={row['m']:>6} K={row['k']:>6} {row['implementation']:>7}: ERROR {row['error']}"
+  return (f"M={row['m']:>6} K={row['k']:>6} {row['implementation']:>7}: {row['us']:9.2f} us "
+          f"{row['gbps']:8.1f} GB/s {row['pct_copy_bw']:5.1f}% of copy")
+
+
+def markdown_table(result: dict) -> str:
+  """One line per (M, K), one column per implementation: us (% of copy bandwidth)."""
+  implementations = sorted({r["implementation"] for r in result["rows"]}, key=lambda s: quant.IMPLEMENTATIONS.index(s))
+  lines = [f"Quantization, {result['device']}, jax {result['jax_version']}, {result['date'][:10]}; "
+           f"copy bandwidth {result['copy_bandwidth_tbps']:.2f} TB/s; {result['timing']}.", "",
+           "| M | K | " + " | ".join(f"{i} us (% copy BW)" for i in implementations) + " |",
+           "|---|---|" + "---|" * len(implementations)]
+  by_key: dict = {}
+  for r in result["rows"]:
+    by_key.setdefault((r["k"], r["m"]), {})[r["implementation"]] = r
+  for (k, m), cells in sorted(by_key.items()):
+    texts = []
+    for i in implementations:
+      r = cells.get(i)
+      texts.append("-" if r is None else ("error" if "error" in r else f"{r['us']:.2f} ({r['pct_copy_bw']:.0f}%)"))
+    lines.append(f"| {m} | {k} | " + " | ".join(texts) + " |")
+  return "\n".join(lines) + "\n"
