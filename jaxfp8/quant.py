@@ -147,16 +147,21 @@ def per_token_group_quant_fp8(
       x3, masked_m, group_size=group_size, eps=float(eps), row_alignment=row_alignment, scale_layout=scale_layout,
       scale_tma_aligned=scale_tma_aligned, scale_ue8m0=bool(scale_ue8m0), fuse_silu_and_mul=bool(fuse_silu_and_mul),
       implementation=implementation, interpret=interpret, config=config)
-  if masked_m is None:
-    return q[0], s[0]
   return q, s
 
 
 @functools.partial(jax.jit, static_argnames=(
     "group_size", "eps", "row_alignment", "scale_layout", "scale_tma_aligned", "scale_ue8m0", "fuse_silu_and_mul",
     "implementation", "interpret", "config"))
-def _quantize(x3, masked_m, *, group_size, eps, row_alignment, scale_layout, scale_tma_aligned, scale_ue8m0,
-              fuse_silu_and_mul, implementation, interpret, config):
+def _quantize(x3, masked_m, **kwargs):
+  q, s = _quantize_batched(x3, masked_m, **kwargs)
+  if masked_m is None:  # inside the jit, dropping the unit batch axis is a free bitcast, not a copy kernel
+    return q[0], s[0]
+  return q, s
+
+
+def _quantize_batched(x3, masked_m, *, group_size, eps, row_alignment, scale_layout, scale_tma_aligned, scale_ue8m0,
+                      fuse_silu_and_mul, implementation, interpret, config):
   batch, rows, k_in = x3.shape
   k = k_in // 2 if fuse_silu_and_mul else k_in
   groups = k // group_size
