@@ -74,52 +74,54 @@ def _kernel(valid_ref, x_ref, q_ref, s_ref, *, group_size, padded_group, eps, ou
   groups = k // group_size
   valid_rows = jnp.minimum(valid_ref[batch], rows_in)
 
+  # One (rows, groups, lanes) tile per program: a single wide load keeps many bytes in flight per SM.
   rows = row_block * config.block_rows + jnp.arange(config.block_rows)
+  group_ids = group_block * config.groups_per_block + jnp.arange(config.groups_per_block)
+  lanes = jnp.arange(padded_group)
   live_row = rows < valid_rows
-  q_row_ok = rows < out_rows
-  scale_row_ok = rows < (out_rows if scale_layout == "row" else scale_cols)
-  lane = jnp.arange(padded_group)
-  lane_ok = lane < group_size
+  group_ok = group_ids < groups
+  element_ok = group_ok[:, None] & (lanes < group_size)[None, :]  # (groups, lanes)
+  cols = group_ids[:, None] * group_size + lanes[None, :]
+  row_idx, col_idx = rows[:, None, None], cols[None, :, :]
+  load_mask = live_row[:, None, None] & element_ok[None]
 
-  packed_word = jnp.zeros((config.block_rows,), jnp.int32)
-  for j in range(config.groups_per_block):
-    group = group_block * config.groups_per_block + j
-    group_ok = group < groups
-    cols = group * group_size + lane
-    load_mask = live_row[:, None] & (lane_ok & group_ok)[None, :]
-    x = plt.load(x_ref.at[batch, rows[:, None], cols[None, :]], mask=load_mask, other=0).astype(jnp.float32)
-    if fuse_silu_and_mul:
-      up = plt.load(x_ref.at[batch, rows[:, None], (cols + k)[None, :]], mask=load_mask, other=0)
-      silu = (x / (1.0 + jnp.exp(-x))).astype(x_ref.dtype).astype(jnp.float32)
-      x = (silu * up.astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
+  x = plt.load(x_ref.at[batch, row_idx, col_idx], mask=load_mask, other=0).astype(jnp.float32)
+  if fuse_silu_and_mul:
+    up = plt.load(x_ref.at[batch, row_idx, col_idx + k], mask=load_mask, other=0).astype(jnp.float32)
+    silu = (x / (1.0 + jnp.exp(-x))).astype(x_ref.dtype).astype(jnp.float32)
+    x = (silu * up).astype(x_ref.dtype).astype(jnp.float32)
 
-    # Triton's float max drops NaN (maxnumf): track NaN separately so a NaN group gets a NaN scale (SPEC 1).
-    group_has_nan = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=1) > 0
-    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1), eps)
-    scale = jnp.where(group_has_nan, jnp.nan, amax * R)
-    if scale_ue8m0:
-      scale = _ue8m0(scale)
-    scale = jnp.where(live_row, scale, 1.0)  # pad rows: scale 1.0, q 0
+  # Triton's float max drops NaN (maxnumf): track NaN separately so a NaN group gets a NaN scale (SPEC 1).
+  group_has_nan = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=2) > 0
+  amax = jnp.maximum(jnp.max(jnp.abs(x), axis=2), eps)
+  scale = jnp.where(group_has_nan, jnp.nan, amax * R)
+  if scale_ue8m0:
+    scale = _ue8m0(scale)
+  scale = jnp.where(live_row[:, None], scale, 1.0)  # pad rows: scale 1.0 and q 0
 
-    quotient = _exact_div(x, jnp.broadcast_to(scale[:, None], x.shape), interpret=interpret)
-    # clip via min/max would turn NaN into +-448 (minnumf/maxnumf): keep NaN explicitly.
-    clipped = jnp.where(quotient != quotient, quotient, jnp.minimum(jnp.maximum(quotient, -FP8_MAX), FP8_MAX))
-    q = jnp.where(live_row[:, None], clipped, 0.0).astype(q_ref.dtype)
-    plt.store(q_ref.at[batch, rows[:, None], cols[None, :]], q,
-              mask=q_row_ok[:, None] & (lane_ok & group_ok)[None, :])
+  quotient = _exact_div(x, jnp.broadcast_to(scale[:, :, None], x.shape), interpret=interpret)
+  # Clipping through min/max would turn NaN into +-448 (minnumf/maxnumf): keep NaN explicitly.
+  clipped = jnp.where(quotient != quotient, quotient, jnp.minimum(jnp.maximum(quotient, -FP8_MAX), FP8_MAX))
+  q = jnp.where(live_row[:, None, None], clipped, 0.0).astype(q_ref.dtype)
+  plt.store(q_ref.at[batch, row_idx, col_idx], q, mask=(rows < out_rows)[:, None, None] & element_ok[None])
 
-    if scale_layout == "row":
-      plt.store(s_ref.at[batch, rows, jnp.full_like(rows, group)], scale, mask=scale_row_ok & group_ok)
-    elif scale_layout == "col":
-      plt.store(s_ref.at[batch, jnp.full_like(rows, group), rows], scale, mask=scale_row_ok & group_ok)
-    else:
-      exponent = (lax.bitcast_convert_type(scale, jnp.int32) >> 23) & 0xFF
-      packed_word = packed_word | jnp.where(group_ok, exponent, 0) << (8 * (j % 4))
-      if j % 4 == 3:
-        word = (group_block * config.groups_per_block + j) // 4
-        plt.store(s_ref.at[batch, jnp.full_like(rows, word), rows], packed_word,
-                  mask=scale_row_ok & (word < s_ref.shape[1]))
-        packed_word = jnp.zeros((config.block_rows,), jnp.int32)
+  scale_rows_ok = rows < (out_rows if scale_layout == "row" else scale_cols)
+  if scale_layout == "row":
+    plt.store(s_ref.at[batch, rows[:, None], group_ids[None, :]], scale,
+              mask=scale_rows_ok[:, None] & group_ok[None, :])
+  elif scale_layout == "col":
+    plt.store(s_ref.at[batch, group_ids[None, :], rows[:, None]], scale,
+              mask=scale_rows_ok[:, None] & group_ok[None, :])
+  else:
+    # Exponent byte of group 4i+j goes to byte j of word i; the bytes never overlap, so a sum is an OR.
+    exponent = jnp.where(group_ok[None, :], (lax.bitcast_convert_type(scale, jnp.int32) >> 23) & 0xFF, 0)
+    words_per_block = config.groups_per_block // 4
+    shifts = (jnp.arange(config.groups_per_block) % 4) * 8
+    shifted = (exponent << shifts[None, :]).reshape(config.block_rows, words_per_block, 4)
+    packed = jnp.sum(shifted, axis=2)
+    word_ids = group_block * words_per_block + jnp.arange(words_per_block)
+    plt.store(s_ref.at[batch, word_ids[None, :], rows[:, None]], packed,
+              mask=scale_rows_ok[:, None] & (word_ids < s_ref.shape[1])[None, :])
 
 
 def per_token_group_quant(
