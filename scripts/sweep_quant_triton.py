@@ -15,7 +15,7 @@ rng = np.random.default_rng(0)
 for m, k in shapes:
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   results = []
-  for rows, gpb, warps in itertools.product((4, 16, 32, 64), (2, 4, 8), (2, 4, 8)):
+  for rows, gpb, warps in itertools.product((1, 2, 4, 8, 16), (2, 4, 8), (2, 4, 8)):
     if rows * gpb * 128 > 64 * 1024 or (m <= 64 and rows > 16):
       continue
     config = QuantTritonConfig(block_rows=rows, groups_per_block=gpb, num_warps=warps)
@@ -30,5 +30,5 @@ for m, k in shapes:
     results.append((us, rows, gpb, warps))
   results.sort()
   num_bytes = m * k * 3
-  print(f"M={m} K={k}: best " + ", ".join(f"{us:.2f}us rows={r} gpb={g} warps={w} ({num_bytes / us / 1e6:.0f} GB/s)"
+  print(f"M={m} K={k}: best " + ", ".join(f"{us:.2f}us rows={r} gpb={g} warps={w} ({num_bytes / us / 1e3:.0f} GB/s)"
                                           for us, r, g, w in results[:4]), flush=True)
