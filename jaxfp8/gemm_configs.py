@@ -1,0 +1,113 @@
+"""Tile configurations of the Triton block-FP8 GEMM: a shipped per-shape table, and a heuristic for everything else.
+
+The table (`configs/triton_gemm_h200.json`, written by `python -m jaxfp8.tune`) is keyed by weight shape, scale block and
+M bucket:  "N,K,gn,gk,bucket" -> {"config": {...TritonGemmConfig fields...}, "us": median kernel time, ...}.
+A run picks the entry of the smallest bucket >= M (the largest bucket for bigger M). The table only describes the device it
+was measured on (its "device" field); on other GPUs, and for shapes it lacks, `heuristic_config` decides.
+Entries are only ever measured numbers: the shipped file says "tuned": false until a tuning run has filled it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems
+
+H200_TABLE = "triton_gemm_h200.json"
+# Token counts the table is tuned for (the decode and prefill M of shapes.json).
+M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def m_bucket(m: int) -> int:
+  """Smallest bucket >= m; the largest bucket for anything bigger."""
+  for bucket in M_BUCKETS:
+    if m <= bucket:
+      return bucket
+  return M_BUCKETS[-1]
+
+
+def table_key(n: int, k: int, block_size: tuple[int, int], bucket: int) -> str:
+  gn, gk = block_size
+  return f"{n},{k},{gn},{gk},{bucket}"
+
+
+@functools.cache
+def load_table(name: str = H200_TABLE) -> Mapping[str, Any]:
+  """The shipped table as a dict ({"device", "tuned", "entries"}); an empty table if the file is missing."""
+  try:
+    text = importlib.resources.files("jaxfp8").joinpath("configs", name).read_text()
+  except (FileNotFoundError, ModuleNotFoundError):
+    return {"device": None, "tuned": False, "entries": {}}
+  return json.loads(text)
+
+
+def _pow2_ceil(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def _block_k_for(gk: int) -> int:
+  """A K step for scale groups of gk: 128 when it divides gk or gk divides it, else gk's largest power-of-two divisor.
+
+  (The result may still be too narrow for an 8-bit dot; `config_problems` says so.)
+  """
+  if gk % 128 == 0 or 128 % gk == 0:
+    return 128
+  return min(gk & -gk, 128)
+
+
+def heuristic_config(m: int, n: int, k: int, block_size: tuple[int, int], *, num_sms: int = 132) -> TritonGemmConfig | None:
+  """A reasonable untuned config for an sm_90-class GPU, or None when no Triton config can serve `block_size`.
+
+  Decode (M <= 64) streams the weight: the weight tile is the MMA's M side (swap_ab), K is split until there are about
+  two programs per SM. Larger M uses 128-row tiles with grouped ordering for L2 reuse.
+  """
+  _, gk = block_size
+  block_k = _block_k_for(gk)
+  k_tiles = -(-k // block_k)
+  if m <= 64:
+    block_m = max(16, _pow2_ceil(m))
+    config = TritonGemmConfig(
+        block_m=block_m, block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=4, swap_ab=True)
+    programs_wanted = 2 * num_sms
+  elif m <= 128:
+    config = TritonGemmConfig(block_m=64, block_n=128, block_k=block_k, group_m=8, num_warps=4, num_stages=4)
+    programs_wanted = num_sms
+  else:
+    config = TritonGemmConfig(block_m=128, block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
+    programs_wanted = num_sms
+  tiles = -(-m // config.block_m) * -(-n // config.block_n)
+  if tiles < programs_wanted and k_tiles >= 8:
+    # Each split keeps at least 4 K steps so that the pipeline has something to overlap.
+    split_k = min(-(-programs_wanted // tiles), k_tiles // 4, 16)
+    if split_k > 1:
+      config = TritonGemmConfig(**{**config.to_dict(), "split_k": split_k})
+  if config_problems(config, block_size):
+    return None
+  return config
+
+
+def _device_table_applies(device_kind: str | None, table: Mapping[str, Any]) -> bool:
+  table_device = table.get("device")
+  return bool(device_kind and table_device and table_device.lower() in device_kind.lower())
+
+
+def get_config(
+    m: int, n: int, k: int, block_size: tuple[int, int], *, device_kind: str | None = None, num_sms: int = 132,
+    table: Mapping[str, Any] | None = None,
+) -> TritonGemmConfig | None:
+  """The tuned config for this shape on this device if the table has one, else `heuristic_config`."""
+  table = load_table() if table is None else table
+  if _device_table_applies(device_kind, table):
+    entry = table.get("entries", {}).get(table_key(n, k, tuple(block_size), m_bucket(m)))
+    if entry is not None:
+      config = TritonGemmConfig.from_dict(entry["config"])
+      if not config_problems(config, block_size):
+        return config
+  return heuristic_config(m, n, k, block_size, num_sms=num_sms)
+
+
+__all__ = ["M_BUCKETS", "H200_TABLE", "m_bucket", "table_key", "load_table", "heuristic_config", "get_config"]

@@ -1,0 +1,216 @@
+"""Tuning of the Triton block-FP8 GEMM: sweep tile configs per (weight shape, M bucket) on the GPU, write the table.
+
+    python -m jaxfp8.tune --shapes "24576,7168;576,7168" --m 1,64,4096 --out jaxfp8/configs/triton_gemm_h200.json
+
+Every candidate is compiled, its output checked against the float64 reference on a sample (rows and whole column
+blocks; bf16 output within SPEC.md's 5e-3), then timed with CUPTI (`jaxfp8.timing.median_kernel_us`, inputs rotated
+when the weight would sit in L2). The fastest correct config of each (N, K, block_size, bucket) goes into the table,
+with its time and the heuristic config's time. The table is written after every entry, so a run cut short keeps what
+it measured; entries already in the file for other keys are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfp8 import _platform, bench_gemm, gemm, gemm_configs, timing
+from jaxfp8 import reference as ref
+from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems
+
+BF16_BOUND = 5e-3
+
+
+def _replace(config: TritonGemmConfig, **changes) -> TritonGemmConfig:
+  return dataclasses.replace(config, **changes)
+
+
+def candidate_configs(m: int, n: int, k: int, block_size: tuple[int, int], *, max_configs: int = 24,
+                      num_sms: int = 132) -> list[TritonGemmConfig]:
+  """A short list of plausible configs for this problem, the heuristic's first; only configs that can run."""
+  heuristic = gemm_configs.heuristic_config(m, n, k, block_size, num_sms=num_sms)
+  if heuristic is None:
+    return []
+  h_split = heuristic.split_k
+  splits = sorted({1, max(1, h_split // 2), h_split, min(32, 2 * h_split)})
+  out = [heuristic]
+  if m <= 64:
+    bm = heuristic.block_m
+    for stages in (3, 4, 6):
+      for split in splits:
+        out.append(TritonGemmConfig(bm, 64, 128, 1, 4, stages, split, True))
+    for split in splits:
+      out.append(TritonGemmConfig(bm, 128, 128, 1, 4, 4, split, True))
+      out.append(TritonGemmConfig(bm, 128, 128, 1, 8, 4, split, True))
+      out.append(TritonGemmConfig(bm, 64, 256, 1, 4, 3, split, True))
+      out.append(TritonGemmConfig(bm, 64, 128, 1, 4, 4, split, False))
+      out.append(TritonGemmConfig(bm, 128, 128, 1, 4, 4, split, False))
+  elif m <= 256:
+    for split in sorted({1, h_split}):
+      for bm, bn, bk, warps, stages in ((64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (128, 128, 128, 8, 3),
+                                        (128, 64, 128, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 8, 4),
+                                        (64, 128, 256, 4, 3), (128, 256, 128, 8, 3)):
+        out.append(TritonGemmConfig(bm, bn, bk, 8, warps, stages, split, False))
+  else:
+    for split in sorted({1, h_split}):
+      for bm, bn, bk, group_m, warps, stages in (
+          (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 8, 5), (128, 256, 128, 8, 8, 3), (256, 128, 128, 8, 8, 3),
+          (128, 128, 256, 8, 8, 2), (128, 128, 256, 8, 8, 3), (128, 128, 128, 16, 8, 3), (128, 128, 128, 4, 8, 3),
+          (64, 128, 128, 8, 4, 4), (128, 64, 128, 8, 4, 4), (128, 256, 128, 8, 8, 4), (64, 256, 128, 8, 8, 4)):
+        out.append(TritonGemmConfig(bm, bn, bk, group_m, warps, stages, split, False))
+  seen, unique = set(), []
+  for config in out:
+    if config not in seen and not config_problems(config, block_size):
+      seen.add(config)
+      unique.append(config)
+  return unique[:max_configs]
+
+
+def _load_or_new_table(path: str | None) -> dict:
+  if path and os.path.exists(path):
+    with open(path) as f:
+      table = json.load(f)
+    table.setdefault("entries", {})
+    return table
+  return {"device": None, "tuned": False, "entries": {}}
+
+
+def _write_table(path: str, table: dict) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(table, f, indent=1, sort_keys=False)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def tune(
+    shapes: Sequence[tuple[int, int]],
+    m_buckets: Sequence[int],
+    block_size: tuple[int, int] = (128, 128),
+    out_path: str | None = None,
+    *,
+    max_configs: int = 24,
+    iterations: int = 20,
+    time_budget_s: float | None = None,
+    interpret: bool = False,
+    seed: int | None = None,
+    log=print,
+) -> dict:
+  """Sweeps `candidate_configs` for every (N, K) in `shapes` and M in `m_buckets`; returns (and writes) the table."""
+  block_size = tuple(int(v) for v in block_size)
+  start = time.monotonic()
+  table = _load_or_new_table(out_path)
+  device = jax.devices()[0].device_kind
+  table.update(device=device, tuned=True, jax_version=jax.__version__,
+               note="Measured by jaxfp8.tune: CUPTI median kernel times, bf16 output, column-major activation scales.")
+  entries = table["entries"]
+  seed = int(np.random.SeedSequence().entropy % (2**31)) if seed is None else seed
+  key = jax.random.key(seed)
+  num_sms = _platform.num_sms()
+  for n, k in shapes:
+    sets = bench_gemm.rotation_sets(n * k, 0)
+    key, *keys = jax.random.split(key, sets + 1)
+    weights = [bench_gemm.make_weight(keys[i], n, k, block_size) for i in range(sets)]
+    for bucket in m_buckets:
+      m = int(bucket)
+      if time_budget_s is not None and time.monotonic() - start > time_budget_s:
+        log(f"time budget of {time_budget_s:.0f} s spent: stopping before N={n} K={k} M={m}")
+        return table
+      key, *keys = jax.random.split(key, sets + 1)
+      acts = [bench_gemm.make_activation(keys[i], m, k, block_size[1]) for i in range(sets)]
+      arg_sets = [(a_q, b_q, a_s, b_s) for (a_q, a_s), (b_q, b_s) in zip(acts, weights)]
+      n_blocks = -(-n // block_size[0])
+      sample_rows = np.unique(np.array([0, m // 2, m - 1]))
+      sample_blocks = np.unique(np.array([0, n_blocks // 2, n_blocks - 1]))
+      expected, cols = bench_gemm.sample_reference(*arg_sets[0], block_size, sample_rows, sample_blocks)
+      candidates = candidate_configs(m, n, k, block_size, max_configs=max_configs, num_sms=num_sms)
+      results = []
+      for i, config in enumerate(candidates):
+        fn = jax.jit(functools.partial(
+            gemm.w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True, out_dtype=jnp.bfloat16,
+            implementation="triton", config=config, interpret=interpret))
+        label = f"[N={n} K={k} M={m} {i + 1}/{len(candidates)}] {_short(config)}"
+        try:
+          out = np.asarray(jax.block_until_ready(fn(*arg_sets[0]))).astype(np.float32)
+          err = ref.relative_error(out[np.ix_(sample_rows, cols)], expected)
+          if not err <= BF16_BOUND:
+            log(f"{label}: WRONG (rel err {err:.3g})")
+            results.append(dict(config=config, error=f"rel err {err:.3g}"))
+            continue
+          us = timing.median_kernel_us(fn, arg_sets, iterations=iterations)
+          log(f"{label}: {us:9.2f} us  {2 * m * n * k / (us * 1e-6) / 1e12:7.1f} TFLOP/s  err {err:.2e}")
+          results.append(dict(config=config, us=us, err=err))
+        except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+          log(f"{label}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+          results.append(dict(config=config, error=f"{type(e).__name__}"))
+      timed = [r for r in results if "us" in r]
+      if not timed:
+        log(f"N={n} K={k} M={m}: no candidate ran correctly; no entry written")
+        continue
+      best = min(timed, key=lambda r: r["us"])
+      heuristic_us = next((r["us"] for r in results if r["config"] == candidates[0] and "us" in r), None)
+      entries[gemm_configs.table_key(n, k, block_size, m)] = dict(
+          config=best["config"].to_dict(), us=round(best["us"], 3),
+          tflops=round(2 * m * n * k / (best["us"] * 1e-6) / 1e12, 1),
+          heuristic_us=None if heuristic_us is None else round(heuristic_us, 3),
+          candidates=len(candidates), failed=sum("error" in r for r in results),
+          date=datetime.date.today().isoformat())
+      log(f"N={n} K={k} M={m}: best {_short(best['config'])} {best['us']:.2f} us"
+          + (f" (heuristic {heuristic_us:.2f} us)" if heuristic_us else ""))
+      del arg_sets, acts
+      if out_path:  # after every entry: a run cut short keeps what it measured
+        _write_table(out_path, table)
+    del weights
+  if out_path:
+    log(f"wrote {out_path} ({len(entries)} entries)")
+  return table
+
+
+def _short(config: TritonGemmConfig) -> str:
+  return (f"{config.block_m}x{config.block_n}x{config.block_k} g{config.group_m} w{config.num_warps} "
+          f"s{config.num_stages} split{config.split_k}{' swap' if config.swap_ab else ''}")
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(prog="python -m jaxfp8.tune", description=__doc__.split("\n")[0])
+  parser.add_argument("--shapes", default=None, help="N,K pairs separated by ';' (default: DeepSeek-V3/Qwen3 weights)")
+  parser.add_argument("--shapes_json", default=None, help="take the weight shapes from this shapes.json")
+  parser.add_argument("--models", default=None, help="comma-separated model keys of --shapes_json")
+  parser.add_argument("--m", default=None, help="comma-separated M buckets (default: jaxfp8.gemm_configs.M_BUCKETS)")
+  parser.add_argument("--block_size", default="128,128")
+  parser.add_argument("--max_configs", type=int, default=24)
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--time_budget_s", type=float, default=None, help="stop starting new (shape, M) after this")
+  parser.add_argument("--seed", type=int, default=None)
+  parser.add_argument("--out", default="jaxfp8/configs/triton_gemm_h200.json")
+  args = parser.parse_args(argv)
+  if args.shapes:
+    shapes = [(int(n), int(k)) for n, k in (s.split(",") for s in args.shapes.split(";") if s)]
+  elif args.shapes_json:
+    shapes = [(n, k) for _, n, k in bench_gemm.shapes_from_json(
+        args.shapes_json, args.models.split(",") if args.models else None)]
+  else:
+    shapes = [(n, k) for _, n, k in bench_gemm.DEFAULT_SHAPES]
+  shapes = list(dict.fromkeys(shapes))
+  m_buckets = [int(v) for v in args.m.split(",")] if args.m else list(gemm_configs.M_BUCKETS)
+  for m in m_buckets:
+    if gemm_configs.m_bucket(m) != m:
+      raise SystemExit(f"--m {m} is not a bucket of jaxfp8.gemm_configs.M_BUCKETS {gemm_configs.M_BUCKETS}")
+  block_size = tuple(int(v) for v in args.block_size.split(","))
+  return tune(shapes, m_buckets, block_size, args.out, max_configs=args.max_configs, iterations=args.iterations,
+              time_budget_s=args.time_budget_s, seed=args.seed)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,536 @@
+"""Block-scaled FP8 GEMM (SPEC.md section 2): every implementation against the float64 reference.
+
+On CPU the Triton kernel runs in interpret mode, where out-of-bounds reads come back as NaN and unwritten outputs stay
+NaN: a missing mask or an unwritten tile shows up as NaN in the result. GPU tests (full shapes.json sizes) are marked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfp8 import _platform, gemm, gemm_configs, gemm_xla
+from jaxfp8 import reference as ref
+from jaxfp8 import shapes
+from jaxfp8.gemm import TritonGemmConfig, w8a8_block_fp8_matmul
+from pallas_kernels import gemm_triton
+
+SHAPES = shapes.load()
+# SPEC.md tolerances (relative Frobenius error vs float64); fp16 output is held to the bf16 bound.
+TOLERANCE = {jnp.dtype(jnp.float32): 2e-4, jnp.dtype(jnp.bfloat16): 5e-3, jnp.dtype(jnp.float16): 5e-3}
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+
+def _cfg(bm, bn, bk, *, group_m=2, num_warps=4, num_stages=2, split_k=1, swap_ab=False) -> TritonGemmConfig:
+  return TritonGemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=group_m, num_warps=num_warps,
+                          num_stages=num_stages, split_k=split_k, swap_ab=swap_ab)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  a_q: np.ndarray
+  b_q: np.ndarray
+  a_s: np.ndarray  # row-major (M, G): what the reference takes
+  b_s: np.ndarray
+  bias: np.ndarray | None
+  block_size: tuple[int, int]
+  a_s_arg: np.ndarray  # what the call gets: a_s, or the column-major (G, M') array with NaN in its pad columns
+  column_major: bool
+
+  def reference(self) -> np.ndarray:
+    return ref.block_fp8_matmul(self.a_q, self.b_q, self.a_s, self.b_s, self.block_size, bias=self.bias)
+
+  def call(self, **kwargs):
+    return w8a8_block_fp8_matmul(self.a_q, self.b_q, self.a_s_arg, self.b_s, self.block_size,
+                                 a_s_column_major=self.column_major, bias=self.bias, **kwargs)
+
+
+def make_problem(rng, m, n, k, block_size, *, column_major=False, bias=False, exact=False) -> Problem:
+  """Fresh inputs: fp8 codes from quantizing random normal data with the reference, random positive scales.
+
+  exact=True: the exactness check of SPEC.md (integer codes in [-4, 4], power-of-two scales in [1/4, 4]).
+  """
+  gn, gk = block_size
+  groups, n_blocks = ref.ceil_div(k, gk), ref.ceil_div(n, gn)
+  if exact:
+    a_q = rng.integers(-4, 5, (m, k)).astype(np.float32).astype(ref.FP8)
+    b_q = rng.integers(-4, 5, (n, k)).astype(np.float32).astype(ref.FP8)
+    a_s = np.exp2(rng.integers(-2, 3, (m, groups))).astype(np.float32)
+    b_s = np.exp2(rng.integers(-2, 3, (n_blocks, groups))).astype(np.float32)
+    bias_arr = rng.integers(-8, 9, n).astype(np.float32) if bias else None
+  else:
+    x = rng.standard_normal((m, groups * gk)).astype(np.float32)
+    a_q, a_s = ref.per_token_group_quant_fp8(x, gk)
+    a_q = a_q[:, :k]
+    b_q, b_s = ref.quantize_weight_blockwise(rng.standard_normal((n, k)).astype(np.float32), block_size)
+    # The quantizers' scales times random factors in 2^-3 .. 2^3, so that a group read with the wrong scale is visible
+    # while outputs stay in float16 range.
+    a_s = (a_s * np.exp2(rng.uniform(-3, 3, a_s.shape))).astype(np.float32)
+    b_s = (b_s * np.exp2(rng.uniform(-3, 3, b_s.shape))).astype(np.float32)
+    bias_arr = (rng.standard_normal(n) * 100).astype(np.float32) if bias else None
+  if column_major:
+    # The quantizer's padded layout: M' = round_up(M, 4) + 4 columns; pad columns are poison and must be ignored.
+    a_s_arg = np.full((groups, ref.round_up(m, 4) + 4), np.nan, np.float32)
+    a_s_arg[:, :m] = a_s.T
+  else:
+    a_s_arg = a_s
+  return Problem(a_q, b_q, a_s, b_s, bias_arr, tuple(block_size), a_s_arg, column_major)
+
+
+def assert_close(out, problem: Problem, out_dtype):
+  out_dtype = jnp.dtype(out_dtype)
+  m, n = problem.a_q.shape[0], problem.b_q.shape[0]
+  assert out.shape == (m, n), out.shape
+  assert out.dtype == out_dtype, out.dtype
+  out = np.asarray(out)
+  assert not np.isnan(out.astype(np.float32)).any(), "NaN leaked into the output (unmasked read or unwritten tile)"
+  err = ref.relative_error(out, problem.reference())
+  assert err <= TOLERANCE[out_dtype], f"relative error {err:.3g} > {TOLERANCE[out_dtype]} for {out_dtype}"
+
+
+def _scaled(name: str, model: str, factor: int) -> tuple[int, int]:
+  n, k = SHAPES[model][name] if SHAPES else (1536, 7168)
+  return max(1, n // factor), max(1, k // factor)
+
+
+# (M, (N, K), block_size, config, out_dtype, bias, column-major a_s). Sampled rather than a full product (CPU time):
+# every M of {1, 2, 3, 5, 7, 13, 64, 257}, every block size, BK < gk / == gk / > gk, BN < gn / == gn / > gn / gn not a
+# multiple of BN, K and N tails, split-K, swap_ab, every out dtype, bias, both a_s layouts.
+TRITON_CASES = [
+    (1, _scaled("q_a_proj", "deepseek_v3", 16), (128, 128), _cfg(16, 64, 128, split_k=2, swap_ab=True), BF16, True, True),
+    (2, _scaled("kv_a_proj_with_mqa", "deepseek_v3", 16), (128, 128), _cfg(16, 32, 128), F32, False, False),
+    (3, (200, 300), (64, 64), _cfg(16, 64, 32), F32, True, True),
+    (5, (1088, 512), (128, 128), _cfg(16, 128, 128, split_k=4, swap_ab=True), BF16, False, False),
+    (7, _scaled("n_and_k_tail", "unaligned_for_fallback_tests", 16), (128, 128), _cfg(16, 64, 64), F16, True, True),
+    (13, _scaled("n_and_k_tail", "unaligned_for_fallback_tests", 16), (32, 32), _cfg(16, 64, 128), F32, True, False),
+    (64, (200, 300), (128, 64), _cfg(64, 64, 128), F32, False, True),
+    (257, (200, 300), (64, 128), _cfg(128, 128, 64), BF16, True, False),
+    (257, _scaled("o_proj", "deepseek_v3", 32), (128, 128), _cfg(64, 256, 256, group_m=2), F32, False, True),
+    (13, (100, 300), (100, 64), _cfg(16, 64, 128, swap_ab=True), F32, True, False),
+    (5, _scaled("q_a_proj", "deepseek_v3", 16), (128, 128), _cfg(16, 16, 32), F32, False, True),
+    (7, (64, 300), (32, 96), _cfg(16, 32, 32), F32, False, False),
+    (3, _scaled("n_and_k_tail", "unaligned_for_fallback_tests", 16), (64, 64), _cfg(16, 64, 64, split_k=3), F32, True,
+     True),
+    (13, _scaled("qkv_proj", "qwen3_4b", 32), (64, 128), _cfg(32, 128, 128, swap_ab=True), BF16, False, True),
+    (64, (130, 260), (128, 128), _cfg(32, 64, 128, split_k=2), F32, True, False),
+]
+
+
+@pytest.mark.parametrize("m, nk, block_size, config, out_dtype, bias, column_major", TRITON_CASES)
+def test_triton_matches_reference(rng, m, nk, block_size, config, out_dtype, bias, column_major):
+  problem = make_problem(rng, m, *nk, block_size, column_major=column_major, bias=bias)
+  out = problem.call(out_dtype=out_dtype, implementation="triton", config=config, interpret=True)
+  assert_close(out, problem, out_dtype)
+
+
+@pytest.mark.parametrize("m, n, k, block_size", [
+    (64, *_scaled("q_b_proj", "deepseek_v3", 16), (128, 128)),       # heuristic decode config (swap_ab, split-K)
+    (257, *_scaled("shared_expert_down", "deepseek_v3", 16), (128, 128)),  # heuristic 128x128 tiles
+    (3, *_scaled("o_proj", "qwen3_4b", 16), (64, 64)),
+])
+def test_triton_heuristic_config_matches_reference(rng, m, n, k, block_size):
+  config = gemm_configs.heuristic_config(m, n, k, block_size)
+  assert config is not None
+  problem = make_problem(rng, m, n, k, block_size, column_major=True, bias=True)
+  out = problem.call(out_dtype=F32, implementation="triton", interpret=True)
+  assert_close(out, problem, F32)
+
+
+@pytest.mark.parametrize("m, nk, block_size, config, out_dtype, bias, column_major", TRITON_CASES)
+def test_xla_matches_reference(rng, m, nk, block_size, config, out_dtype, bias, column_major):
+  del config
+  problem = make_problem(rng, m, *nk, block_size, column_major=column_major, bias=bias)
+  out = problem.call(out_dtype=out_dtype, implementation="xla")
+  assert_close(out, problem, out_dtype)
+
+
+EXACT_CONFIGS = [
+    _cfg(16, 64, 64),                              # BK < gk
+    _cfg(32, 32, 128, swap_ab=True),               # BK == gk
+    _cfg(16, 128, 256, split_k=3),                 # BK > gk, BN > gn, split-K
+]
+
+
+@pytest.mark.parametrize("implementation, config", [("xla", None)] + [("triton", c) for c in EXACT_CONFIGS])
+def test_exactness_check_is_bit_exact(rng, implementation, config):
+  # SPEC.md: integer codes in [-4, 4], power-of-two scales in [1/4, 4], K <= 2048 -> bit-exact float32 output.
+  problem = make_problem(rng, 13, 200, 2000, (64, 128), column_major=True, bias=True, exact=True)
+  kwargs = dict(interpret=True, config=config) if implementation == "triton" else {}
+  out = np.asarray(problem.call(out_dtype=F32, implementation=implementation, **kwargs))
+  expected = ref.cast_output(problem.reference(), np.float32)
+  mismatches = np.argwhere(out != expected)
+  assert mismatches.size == 0, f"{len(mismatches)} elements differ, first at {mismatches[0]}"
+
+
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+def test_nan_scales_and_codes_propagate_only_where_the_reference_has_them(rng, implementation):
+  m, n, k, block_size = 13, 200, 300, (64, 128)
+  problem = make_problem(rng, m, n, k, block_size, column_major=True)
+  a_q, a_s_arg, b_s = problem.a_q.copy(), problem.a_s_arg.copy(), problem.b_s.copy()
+  a_s_arg[1, 4] = np.nan          # a_s[4, group 1]: row 4
+  b_s[2, 2] = np.nan              # columns 128..191, last (partial) K group
+  a_q[9, 299] = np.float32(np.nan).astype(ref.FP8)  # the last K column: row 9
+  a_s = a_s_arg[:, :m].T
+  problem = dataclasses.replace(problem, a_q=a_q, a_s_arg=a_s_arg, a_s=a_s, b_s=b_s)
+  kwargs = dict(interpret=True, config=_cfg(16, 64, 64)) if implementation == "triton" else {}
+  out = np.asarray(problem.call(out_dtype=F32, implementation=implementation, **kwargs))
+  expected = problem.reference()
+  nan_expected = np.isnan(expected)
+  assert nan_expected[4].all() and nan_expected[9].all() and nan_expected[:, 128:192].all()
+  np.testing.assert_array_equal(np.isnan(out), nan_expected)
+  live = ~nan_expected
+  assert ref.relative_error(out[live], expected[live]) <= 2e-4
+
+
+@pytest.mark.skipif(gemm._mosaic_module() is None, reason="pallas_kernels.gemm_mosaic not importable")
+@pytest.mark.parametrize("column_major", [False, True])
+def test_mosaic_dispatch_passes_the_column_major_scales(rng, column_major):
+  # The dispatch glue only (transpose of row-major a_s, slicing of a non-TMA-aligned M'); the kernel has its own tests.
+  problem = make_problem(rng, 8, 256, 256, (128, 128), column_major=column_major, bias=True)
+  if column_major:  # an M' that is not a multiple of 4
+    problem = dataclasses.replace(problem, a_s_arg=problem.a_s_arg[:, :9])
+  out = problem.call(out_dtype=F32, implementation="mosaic", interpret=True)
+  assert_close(out, problem, F32)
+
+
+def test_usable_inside_jit(rng):
+  problem = make_problem(rng, 5, 200, 300, (128, 128), column_major=True, bias=True)
+  f = jax.jit(functools.partial(w8a8_block_fp8_matmul, block_size=(128, 128), a_s_column_major=True,
+                                out_dtype=F32, implementation="triton", config=_cfg(16, 64, 128), interpret=True))
+  assert_close(f(problem.a_q, problem.b_q, problem.a_s_arg, problem.b_s, bias=problem.bias), problem, F32)
+  g = jax.jit(w8a8_block_fp8_matmul, static_argnames=("block_size", "a_s_column_major", "out_dtype", "implementation"))
+  out = g(problem.a_q, problem.b_q, problem.a_s_arg, problem.b_s, (128, 128), a_s_column_major=True, out_dtype=F32,
+          bias=problem.bias, implementation="xla")
+  assert_close(out, problem, F32)
+
+
+def test_default_implementation_on_cpu_is_xla():
+  if _platform.gpu_compute_capability() is not None:
+    pytest.skip("CPU-only expectation")
+  assert gemm.resolve_implementation(None, config=None, interpret=True, m=8, n=256, k=256,
+                                     block_size=(128, 128)) == "xla"
+
+
+@pytest.mark.parametrize("capability, m, n, k, block_size, expected", [
+    ((9, 0), 8, 256, 256, (128, 128), "mosaic"),
+    ((9, 0), 7, 256, 256, (128, 128), "triton"),     # M % 4 != 0
+    ((9, 0), 8, 200, 256, (128, 128), "triton"),     # N tail
+    ((9, 0), 8, 256, 256, (64, 64), "triton"),
+    ((8, 9), 8, 256, 256, (128, 128), "triton"),
+    ((9, 0), 8, 256, 256, (128, 16), "xla"),         # gk = 16: no Triton dot is narrow enough
+    ((8, 0), 8, 256, 256, (128, 128), "xla"),        # no FP8 conversions
+])
+def test_default_implementation_choice(monkeypatch, capability, m, n, k, block_size, expected):
+  monkeypatch.setattr(gemm, "_capability", lambda: capability)
+  if expected == "mosaic" and gemm._mosaic_module() is None:
+    expected = "triton"
+  assert gemm.resolve_implementation(None, config=None, interpret=False, m=m, n=n, k=k,
+                                     block_size=block_size) == expected
+
+
+def test_zero_sized_dimensions(rng):
+  for m, n, k in ((0, 64, 256), (4, 0, 256)):
+    p = make_problem(rng, max(m, 1), max(n, 1), k, (128, 128))
+    a_q, b_q = p.a_q[:m], p.b_q[:n]
+    out = w8a8_block_fp8_matmul(a_q, b_q, p.a_s[:m], p.b_s[:ref.ceil_div(n, 128)], (128, 128), out_dtype=F32)
+    assert out.shape == (m, n)
+  bias = rng.standard_normal(64).astype(np.float32)
+  out = w8a8_block_fp8_matmul(np.zeros((3, 0), ref.FP8), np.zeros((64, 0), ref.FP8), np.zeros((3, 0), np.float32),
+                              np.zeros((1, 0), np.float32), (128, 128), bias=bias, out_dtype=F32)
+  np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(bias, (3, 64)))
+
+
+# ---- validation ----------------------------------------------------------------------------------------------------
+
+def _valid_args(m=5, n=200, k=300, block_size=(128, 128)):
+  groups, n_blocks = ref.ceil_div(k, block_size[1]), ref.ceil_div(n, block_size[0])
+  return dict(a_q=np.ones((m, k), ref.FP8), b_q=np.ones((n, k), ref.FP8), a_s=np.ones((m, groups), np.float32),
+              b_s=np.ones((n_blocks, groups), np.float32), block_size=block_size)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(a_q=np.ones((5, 300), np.float32)), TypeError, "a_q must have dtype float8_e4m3fn"),
+    (dict(b_q=np.ones((200, 300), jnp.bfloat16)), TypeError, "b_q must have dtype"),
+    (dict(a_q=[[1.0]]), TypeError, "a_q must be an array"),
+    (dict(a_q=np.ones((300,), ref.FP8)), ValueError, "a_q must be 2-D"),
+    (dict(b_q=np.ones((2, 200, 300), ref.FP8)), ValueError, "b_q must be 2-D"),
+    (dict(b_q=np.ones((200, 301), ref.FP8)), ValueError, "must share K"),
+    (dict(a_s=np.ones((5, 3), jnp.bfloat16)), TypeError, "a_s must have dtype float32"),
+    (dict(a_s=np.ones((5, 2), np.float32)), ValueError, r"a_s must have shape \(M, ceil\(K/gk\)\) = \(5, 3\)"),
+    (dict(a_s=np.ones((3, 5), np.float32)), ValueError, "a_s_column_major=True"),
+    (dict(a_s=np.ones((3, 4), np.float32), a_s_column_major=True), ValueError, r"M'\) = \(3, >= 5\)"),
+    (dict(a_s=np.ones((2, 8), np.float32), a_s_column_major=True), ValueError, "column-major a_s"),
+    (dict(b_s=np.ones((3, 3), np.float32)), ValueError, r"b_s must have shape \(ceil\(N/gn\), ceil\(K/gk\)\) = \(2, 3\)"),
+    (dict(b_s=np.ones((2, 2), np.float32)), ValueError, r"b_s must have shape"),
+    (dict(b_s=np.ones((2, 3), np.float16)), TypeError, "b_s must have dtype float32"),
+    (dict(block_size=(128,)), ValueError, "block_size must be a pair"),
+    (dict(block_size=(0, 128)), ValueError, "block_size must be positive, got gn=0"),
+    (dict(block_size=(128, -1)), ValueError, "gk=-1"),
+    (dict(block_size=(128.0, 128)), TypeError, "gn=128.0"),
+    (dict(block_size=(True, 128)), TypeError, "gn=True"),
+    (dict(block_size="ab"), TypeError, "block_size must be a pair"),
+    (dict(out_dtype=jnp.int8), ValueError, "out_dtype must be bfloat16, float16 or float32, got int8"),
+    (dict(out_dtype="not a dtype"), TypeError, "out_dtype must be a dtype"),
+    (dict(bias=np.ones((201,), np.float32)), ValueError, r"bias must have shape \(N,\) = \(200,\)"),
+    (dict(bias=np.ones((1, 200), np.float32)), ValueError, "bias must have shape"),
+    (dict(bias=np.ones((200,), np.int32)), TypeError, "bias must have dtype"),
+    (dict(implementation="cuda"), ValueError, "implementation must be one of"),
+    (dict(implementation="xla", config=_cfg(16, 64, 128)), ValueError, "config applies to"),
+    (dict(implementation="triton", config=dict(block_m=16)), TypeError, "must be a TritonGemmConfig"),
+    (dict(implementation="triton", config=_cfg(16, 64, 96), interpret=True), ValueError, "block_k=96 is not a power"),
+    (dict(implementation="triton", config=_cfg(24, 64, 128), interpret=True), ValueError, "block_m=24"),
+    (dict(implementation="triton", config=_cfg(8, 64, 128), interpret=True), ValueError, "need both >= 16"),
+    (dict(implementation="triton", config=_cfg(16, 64, 128, num_warps=3), interpret=True), ValueError, "num_warps=3"),
+    (dict(implementation="triton", config=_cfg(16, 64, 128, split_k=0), interpret=True), ValueError, "split_k=0"),
+    (dict(implementation="triton", config=_cfg(16, 64, 128, group_m=0), interpret=True), ValueError, "group_m=0"),
+    (dict(implementation="triton", config=_cfg(16, 64, 128, swap_ab="yes"), interpret=True), ValueError, "swap_ab"),
+    (dict(implementation="triton", config=_cfg(16, 64, 16), interpret=True), ValueError, "8-bit MMAs need"),
+    (dict(implementation="mosaic", interpret=True), ValueError, "N and K to be positive multiples of 128"),
+])
+def test_validation_errors(change, error, match):
+  args = {**_valid_args(), **change}
+  with pytest.raises(error, match=match):
+    w8a8_block_fp8_matmul(args.pop("a_q"), args.pop("b_q"), args.pop("a_s"), args.pop("b_s"), args.pop("block_size"),
+                          **args)
+
+
+@pytest.mark.parametrize("block_size, config, match", [
+    ((128, 96), _cfg(16, 64, 64), "neither a divisor nor a multiple of the scale group gk=96"),
+    ((128, 96), _cfg(16, 64, 128), "neither a divisor nor a multiple"),
+    ((128, 48), _cfg(16, 64, 16), "8-bit MMAs need at least 32"),
+    ((128, 16), _cfg(16, 64, 128), "8-bit MMAs need at least 32"),
+    ((128, 256), _cfg(16, 64, 256), "promoted into the f32 accumulator at least every 128"),
+])
+def test_configs_that_cannot_run_are_rejected(block_size, config, match):
+  args = _valid_args(block_size=block_size)
+  with pytest.raises(ValueError, match=match):
+    w8a8_block_fp8_matmul(args["a_q"], args["b_q"], args["a_s"], args["b_s"], block_size, implementation="triton",
+                          config=config, interpret=True)
+
+
+def test_triton_without_a_config_for_the_block_size_is_rejected():
+  args = _valid_args(block_size=(128, 48))
+  with pytest.raises(ValueError, match="no Triton config can serve block_size"):
+    w8a8_block_fp8_matmul(args["a_q"], args["b_q"], args["a_s"], args["b_s"], (128, 48), implementation="triton",
+                          interpret=True)
+
+
+@pytest.mark.skipif(_platform.gpu_compute_capability() is not None, reason="CPU-only expectation")
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_gpu_implementations_without_interpret_on_cpu_are_rejected(implementation):
+  args = _valid_args(m=8, n=256, k=256)
+  with pytest.raises(ValueError, match=f"implementation='{implementation}' needs"):
+    w8a8_block_fp8_matmul(args["a_q"], args["b_q"], args["a_s"], args["b_s"], (128, 128),
+                          implementation=implementation, interpret=False)
+
+
+def test_mosaic_rejects_unaligned_m():
+  args = _valid_args(m=7, n=256, k=256)
+  with pytest.raises(ValueError, match="M % 4 == 0"):
+    w8a8_block_fp8_matmul(args["a_q"], args["b_q"], args["a_s"], args["b_s"], (128, 128), implementation="mosaic",
+                          interpret=True)
+
+
+# ---- configs -------------------------------------------------------------------------------------------------------
+
+def _all_weight_shapes():
+  if SHAPES is None:
+    return [(1536, 7168), (200, 300)]
+  return sorted({tuple(v) for key, group in SHAPES.items() if isinstance(group, dict) for v in group.values()})
+
+
+def test_heuristic_serves_every_model_shape_and_block_size():
+  ms = (SHAPES["m_decode"] + SHAPES["m_prefill"]) if SHAPES else [1, 64, 4096]
+  blocks = [tuple(b) for b in SHAPES["block_sizes"]] if SHAPES else [(128, 128)]
+  for n, k in _all_weight_shapes():
+    for block_size in blocks + [(64, 128)]:
+      for m in ms + [3, 13, 257]:
+        config = gemm_configs.heuristic_config(m, n, k, block_size)
+        assert config is not None, (m, n, k, block_size)
+        assert not gemm_triton.config_problems(config, block_size), (m, n, k, block_size, config)
+  assert gemm_configs.heuristic_config(8, 256, 256, (128, 16)) is None
+
+
+def test_table_lookup_by_device_and_m_bucket():
+  tuned = _cfg(32, 64, 128, split_k=4, swap_ab=True)
+  table = {"device": "NVIDIA H200", "tuned": True, "entries": {
+      gemm_configs.table_key(576, 7168, (128, 128), 32): {"config": tuned.to_dict(), "us": 3.0},
+      gemm_configs.table_key(576, 7168, (128, 128), 64): {"config": {**tuned.to_dict(), "block_k": 96}, "us": 1.0},
+  }}
+  get = functools.partial(gemm_configs.get_config, n=576, k=7168, block_size=(128, 128), table=table)
+  assert get(17, device_kind="NVIDIA H200") == tuned            # bucket 32
+  assert get(17, device_kind="NVIDIA H100 80GB HBM3") == gemm_configs.heuristic_config(17, 576, 7168, (128, 128))
+  assert get(64, device_kind="NVIDIA H200") == gemm_configs.heuristic_config(64, 576, 7168, (128, 128))  # invalid entry
+  assert get(9000, device_kind="NVIDIA H200") == gemm_configs.heuristic_config(9000, 576, 7168, (128, 128))
+  assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(65) == 128 and gemm_configs.m_bucket(10**6) == 8192
+
+
+def test_shipped_table_loads_and_holds_valid_configs():
+  table = gemm_configs.load_table()
+  assert table["device"] == "NVIDIA H200" and isinstance(table["entries"], dict)
+  for key, entry in table["entries"].items():
+    n, k, gn, gk, _ = (int(v) for v in key.split(","))
+    assert not gemm_triton.config_problems(TritonGemmConfig.from_dict(entry["config"]), (gn, gk)), key
+
+
+def test_config_dict_round_trip():
+  config = _cfg(32, 64, 256, split_k=4, swap_ab=True)
+  assert TritonGemmConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+# ---- lowering to Triton IR on CPU (as for an H200) -------------------------------------------------------------------
+
+def _lowering_cases():
+  cases = []
+  for n, k in [(1536, 7168), (576, 7168), (24576, 1536), (7748, 3884), (200, 300), (5120, 25600)]:
+    for m in (1, 64, 257, 4096):
+      cases.append((m, n, k, (128, 128), None))
+  cases += [(13, 200, 300, (64, 128), _cfg(64, 256, 64, swap_ab=True)), (13, 200, 300, (32, 32), _cfg(16, 128, 128)),
+            (13, 200, 300, (100, 64), _cfg(32, 64, 256, split_k=2))]
+  return cases
+
+
+@pytest.mark.parametrize("m, n, k, block_size, config", _lowering_cases())
+def test_triton_kernel_lowers_for_h200(m, n, k, block_size, config):
+  from jax.experimental.pallas import triton as plt
+  groups = ref.ceil_div(k, block_size[1])
+  args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((groups, ref.round_up(m, 4)), jnp.float32),
+          jax.ShapeDtypeStruct((ref.ceil_div(n, block_size[0]), groups), jnp.float32),
+          jax.ShapeDtypeStruct((n,), jnp.float32))
+  f = functools.partial(w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True, implementation="triton",
+                        config=config)
+  with _platform.abstract_h200():
+    exported = jax.export.export(
+        jax.jit(lambda a, b, sa, sb, bias: f(a, b, sa, sb, bias=bias)), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plt.CUSTOM_CALL_TARGET_NAME)])(*args)
+  assert plt.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
+
+
+# ---- GPU: full shapes.json sizes -----------------------------------------------------------------------------------
+
+GPU_SHAPES = [("deepseek_v3", "q_a_proj"), ("deepseek_v3", "kv_a_proj_with_mqa"), ("deepseek_v3", "q_b_proj"),
+              ("deepseek_v3", "o_proj"), ("qwen3_32b", "qkv_proj"), ("unaligned_for_fallback_tests", "n_and_k_tail")]
+
+
+@functools.cache
+def _gpu_problem(model: str, name: str) -> tuple[Problem, np.ndarray]:
+  """257 rows of one full-size problem and its reference (generated once: the weights are large)."""
+  n, k = SHAPES[model][name]
+  problem = make_problem(np.random.default_rng(), 257, n, k, (128, 128), bias=True)
+  return problem, problem.reference()
+
+
+def _rows(problem: Problem, m: int, column_major: bool) -> Problem:
+  """The first m rows, with a_s as given or as the quantizer's column-major (G, round_up(m, 4)) array."""
+  a_s = problem.a_s[:m]
+  if column_major:
+    a_s_arg = np.ones((a_s.shape[1], ref.round_up(m, 4)), np.float32)
+    a_s_arg[:, :m] = a_s.T
+  else:
+    a_s_arg = a_s
+  return dataclasses.replace(problem, a_q=problem.a_q[:m], a_s=a_s, a_s_arg=a_s_arg, column_major=column_major)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, name", GPU_SHAPES)
+@pytest.mark.parametrize("implementation", ["triton", None])
+def test_gpu_full_size_matches_reference(model, name, implementation):
+  for m, out_dtype, column_major in ((1, BF16, True), (13, F32, False), (64, F32, True), (257, BF16, False)):
+    problem, expected = _gpu_problem(model, name)
+    problem = _rows(problem, m, column_major)
+    out = np.asarray(problem.call(out_dtype=out_dtype, implementation=implementation))
+    assert out.shape == (m, problem.b_q.shape[0])
+    assert not np.isnan(out.astype(np.float32)).any()
+    err = ref.relative_error(out, expected[:m])
+    assert err <= TOLERANCE[jnp.dtype(out_dtype)], (model, name, m, out_dtype, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["triton", "xla", None])
+def test_gpu_exactness_check_is_bit_exact(implementation):
+  problem = make_problem(np.random.default_rng(), 64, 1088, 2048, (128, 128), column_major=True, bias=True, exact=True)
+  out = np.asarray(problem.call(out_dtype=F32, implementation=implementation))
+  np.testing.assert_array_equal(out, ref.cast_output(problem.reference(), np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_large_m_prefill_matches_reference():
+  problem = make_problem(np.random.default_rng(), 4096, 1536, 7168, (128, 128), column_major=True, bias=True)
+  out = problem.call(out_dtype=F32, implementation="triton")
+  assert_close(out, problem, F32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [_cfg(128, 128, 128, group_m=8, num_warps=8, num_stages=3),
+                                    _cfg(64, 128, 64, num_warps=4, num_stages=4),
+                                    _cfg(128, 256, 256, num_warps=8, num_stages=3),
+                                    _cfg(16, 64, 128, split_k=4, swap_ab=True, num_stages=4),
+                                    _cfg(64, 64, 128, split_k=2, swap_ab=True)])
+def test_gpu_triton_configs_compile_and_match(config):
+  problem = make_problem(np.random.default_rng(), 130, 7748, 3884, (128, 128), column_major=True, bias=True)
+  out = problem.call(out_dtype=F32, implementation="triton", config=config)
+  assert_close(out, problem, F32)
+
+
+def test_dequant_bf16_baseline_is_a_baseline(rng):
+  # The baseline is what users do today; it is close (bf16 tolerance) but not an implementation.
+  problem = make_problem(rng, 13, 200, 300, (128, 128))
+  out = gemm_xla.dequant_bf16_matmul_baseline(problem.a_q, problem.b_q, problem.a_s, problem.b_s,
+                                              block_size=(128, 128), out_dtype=F32)
+  assert ref.relative_error(out, problem.reference()) <= 2e-2
+
+
+# ---- benchmark and tuner plumbing on CPU (a fake timer; the real numbers come from the GPU) -------------------------
+
+def _fake_median_kernel_us(fn, arg_sets, *, iterations=30, sync=jax.block_until_ready):
+  del iterations
+  sync(fn(*arg_sets[0]))
+  return 1.0
+
+
+def test_bench_gemm_plumbing(monkeypatch, tmp_path):
+  from jaxfp8 import bench_gemm, timing
+  monkeypatch.setattr(timing, "median_kernel_us", _fake_median_kernel_us)
+  out = tmp_path / "gemm.json"
+  result = bench_gemm.run([("small", 200, 384)], [3, 8], ["xla", "dequant_bf16", "fp8_per_tensor", "torch_scaled_mm"],
+                          str(out), iterations=2, log=lambda *_: None)
+  rows = {(r["m"], r["contender"]): r for r in result["rows"]}
+  for m in (3, 8):
+    assert rows[(m, "xla")]["within_bf16_bound"] and rows[(m, "xla")]["rel_err"] <= 2e-3
+    assert rows[(m, "dequant_bf16")]["rel_err"] <= 2e-2
+    assert "rel_err" not in rows[(m, "fp8_per_tensor")]
+    assert rows[(m, "xla")]["x_weight_floor"] > 0
+  assert json.loads(out.read_text())["rows"] and (tmp_path / "gemm.md").read_text().count("| small |") == 2
+
+
+def test_tune_plumbing_writes_a_table_get_config_uses(monkeypatch, tmp_path):
+  from jaxfp8 import timing, tune
+  monkeypatch.setattr(timing, "median_kernel_us", _fake_median_kernel_us)
+  out = tmp_path / "table.json"
+  table = tune.tune([(200, 384)], [8], (128, 128), str(out), max_configs=2, iterations=2, interpret=True,
+                    log=lambda *_: None)
+  assert json.loads(out.read_text()) == json.loads(json.dumps(table))
+  [(key, entry)] = table["entries"].items()
+  assert key == gemm_configs.table_key(200, 384, (128, 128), 8) and entry["candidates"] == 2
+  config = gemm_configs.get_config(5, 200, 384, (128, 128), device_kind=table["device"], table=table)
+  assert config == TritonGemmConfig.from_dict(entry["config"])
+
+
+def test_tune_candidates_can_all_run():
+  for m in (1, 16, 64, 128, 256, 4096):
+    for block_size in ((128, 128), (64, 64), (128, 64)):
+      candidates = tune_module().candidate_configs(m, 7168, 2048, block_size)
+      assert candidates and candidates[0] == gemm_configs.heuristic_config(m, 7168, 2048, block_size)
+      assert all(not gemm_triton.config_problems(c, block_size) for c in candidates)
+
+
+def tune_module():
+  from jaxfp8 import tune
+  return tune
