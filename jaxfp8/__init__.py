@@ -5,6 +5,7 @@ every other platform, behind one API. `jaxfp8.reference` is the float64 NumPy or
 """
 
 from jaxfp8 import reference
+from jaxfp8.gemm import TritonGemmConfig, w8a8_block_fp8_matmul
 from jaxfp8.quant import per_token_group_quant_fp8, per_token_group_quant_fp8_row_padded
 
 __version__ = "0.1.0"
@@ -13,4 +14,6 @@ __all__ = [
     "reference",
     "per_token_group_quant_fp8",
     "per_token_group_quant_fp8_row_padded",
+    "w8a8_block_fp8_matmul",
+    "TritonGemmConfig",
 ]

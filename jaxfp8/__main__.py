@@ -3,6 +3,8 @@
   python -m jaxfp8              # the main job: quantize real-model-sized activations with every implementation
                                 # that runs here, check each against the float64 reference, print a table
   python -m jaxfp8 bench_quant  # GPU: CUPTI timing of the quantizers (writes --out JSON and a markdown table)
+  python -m jaxfp8 bench_gemm   # GPU: CUPTI timing of the block GEMMs and their baselines (--help for its flags)
+  python -m jaxfp8 tune         # GPU: sweep Triton GEMM configs and write the shipped table (--help for its flags)
 """
 
 from __future__ import annotations
@@ -102,5 +104,14 @@ def main(argv):
     raise SystemExit(1)
 
 
+# Commands with their own argument parsers (argparse): everything after the command name is theirs.
+DELEGATED = {"bench_gemm": "jaxfp8.bench_gemm", "tune": "jaxfp8.tune"}
+
+
 if __name__ == "__main__":
-  app.run(main)
+  import importlib
+  import sys
+  if len(sys.argv) > 1 and sys.argv[1] in DELEGATED:
+    importlib.import_module(DELEGATED[sys.argv[1]]).main(sys.argv[2:])
+  else:
+    app.run(main)
