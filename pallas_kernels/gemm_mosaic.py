@@ -1,0 +1,556 @@
+"""Block-scaled FP8 GEMM for Hopper (sm_90) in Pallas Mosaic GPU.
+
+Computes SPEC.md section 2 with block_size (128, 128):
+
+    C[m, n] = out_dtype(bias[n] + sum_g a_s[m, g] * b_s[n // 128, g] * sum_{k in group g} a_q[m, k] * b_q[n, k])
+
+The recipe (DeepSeek's, as in DeepGEMM): for every 128-wide K block the FP8 wgmma runs into a fresh f32 accumulator
+(`plgpu.ACC`), which is read into registers, multiplied by a_s (a per-row vector) times b_s (one scalar per 128
+columns) and added into a running f32 accumulator held in registers. Promoting every 128 K keeps the full f32 precision
+that the tensor cores' own FP8 accumulation lacks, and applies the block scales exactly where they change.
+
+Operands in shared memory: 8-bit wgmma operands must both be K-major, so A tiles are (rows, 128 * k_blocks_per_step)
+slices of a_q and B tiles (cols, 128 * k_blocks_per_step) slices of the (N, K) weight, passed to wgmma as `b.T`; both
+use TilingTransform((8, 128)) + SwizzleTransform(128). The activation scales are column-major (K // 128, M'), so the
+scales of a row tile for one K block are a contiguous run that TMA brings into SMEM with the tiles. b_s is read as
+scalars from global memory (a few bytes per step; TMA cannot copy less than 16 bytes).
+
+Two kernels share the math:
+  - `warp_specialized=False`: one warpgroup, `plgpu.emit_pipeline`, one CTA per output tile: the simple structure,
+    kept as a fallback and a baseline for measurements.
+  - `warp_specialized=True`: a TMA producer warpgroup plus one or two consumer warpgroups
+    (`plgpu.emit_pipeline_warp_specialized`), a persistent grid (`plgpu.nd_loop` over at most one CTA per SM, tiles
+    visited in `plgpu.planar_snake` order for L2 reuse) and a TMA epilogue through SMEM with the bias fused.
+
+Each consumer warpgroup owns a (wg_m, wg_n) part of the CTA tile, processed as 64-row "sub-tiles" of at most 128
+columns: a sub-tile never straddles a 128-column weight-scale block, so its b_s is one scalar. The running
+accumulator costs wg_m * wg_n / 128 registers per thread and each fresh accumulator 64 * sub_n / 128 more, so
+wg_m * wg_n <= 128 * 128 keeps everything in registers (ptxas spills beyond that; the result stays correct).
+With k_blocks_per_step = 2 a sub-tile issues the wgmmas of both K blocks before scaling the first, so the second
+runs on the tensor cores while the first is scaled.
+
+Rows past M (a partial last row tile, or M < tile_m in decode) are zero-filled by TMA on the way in and clipped by TMA
+on the way out, so any M works; N % 128 == 0 and K % 128 == 0 are required (the launcher rejects anything else, so
+callers fall back to the portable kernel). One wrinkle: Mosaic GPU describes the TMA of a swizzled (8, 128)-tiled SMEM
+tile as a copy from an (8, 128)-tiled view of the whole GMEM array, which exists only when M % 8 == 0 or M < 8. For
+other M the launcher pads a_q with zero rows up to a multiple of 8 (one extra XLA copy of a_q: quantize with
+row_alignment=8 to avoid it). The output needs no such care: the epilogue's SMEM buffers are swizzled but untiled
+(64 rows x 128 bytes), whose TMA stores clip at any M.
+
+Small M (decode, M <= 64): the output has a single row tile and the tensor cores have time to spare, so the wgmma
+simply runs 64 rows of which most are TMA zero fill (zero-filled rows cost no memory traffic); what matters is
+streaming the weight at HBM speed. Swapping A and B (the weight on the wgmma M side) would not read fewer bytes, and
+would need a transposed epilogue. The small-M configs use a 64-row tile, one consumer warpgroup, column tiles narrow
+enough to spread the weight evenly over the SMs, a deep TMA pipeline, and a persistent grid whose producer keeps
+streaming the next tile's weight while the consumer runs the epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from jaxfp8 import _platform
+
+BLOCK = 128  # the SPEC block size (gn, gk), fixed for this kernel
+WGMMA_M = 64  # rows of one wgmma (and of one sub-tile)
+SMEM_BYTES = 232448  # per-block shared memory on H100/H200 (227 KiB)
+_FP8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+class Dim(enum.IntEnum):
+  """A matmul output dimension (the values are those `plgpu.planar_snake` expects)."""
+  M = 0
+  N = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGemmConfig:
+  """Tiling and schedule of the Mosaic GPU block-FP8 GEMM.
+
+  tile_m, tile_n: the CTA output tile. tile_m a multiple of 64, tile_n one of 64, 128, 256.
+  max_concurrent_steps: TMA pipeline depth (stages in SMEM).
+  k_blocks_per_step: 128-wide K blocks per pipeline step (1 or 2). With 2, each sub-tile's second wgmma overlaps the
+    scaling of the first.
+  warp_specialized: False: the simple one-warpgroup kernel (grid of tiles). True: producer + consumer warpgroups on a
+    persistent grid.
+  num_compute_wgs: consumer warpgroups (1 or 2; warp-specialized only). wg_split: the dimension they split the tile
+    along.
+  grid_minor_dim, grid_tile_width: the persistent tile order (`plgpu.planar_snake`).
+  epi_tile_n: columns per epilogue TMA store; None = 128 bytes' worth (64 for 16-bit outputs, 32 for float32), which
+    is also the most (the epilogue buffers are rows of at most one 128-byte swizzle span).
+  persistent: warp-specialized only. False launches one CTA per tile instead of looping over tiles on num_sms CTAs
+    (for the small-M configs, where several CTAs per SM can overlap their latency).
+  grid_size: CTAs of the persistent grid; None = one per SM (tests set it small to exercise the tile loop).
+  cluster_dim: persistent warp-specialized only: pair CTAs in a cluster of 2 along this dimension; the operand
+    tile the two share (B for Dim.M, A and its scales for Dim.N) is loaded once and multicast to both by TMA,
+    halving its L2 traffic.
+  """
+  tile_m: int = 128
+  tile_n: int = 128
+  max_concurrent_steps: int = 4
+  k_blocks_per_step: int = 1
+  warp_specialized: bool = True
+  num_compute_wgs: int = 2
+  wg_split: Dim = Dim.M
+  grid_minor_dim: Dim = Dim.M
+  grid_tile_width: int = 8
+  epi_tile_n: int | None = None
+  persistent: bool = True
+  grid_size: int | None = None
+  cluster_dim: Dim | None = None
+
+  @property
+  def num_wgs(self) -> int:
+    return self.num_compute_wgs if self.warp_specialized else 1
+
+  @property
+  def wg_tile(self) -> tuple[int, int]:
+    """(rows, cols) of the CTA tile that one consumer warpgroup computes."""
+    if self.num_wgs == 1:
+      return self.tile_m, self.tile_n
+    if self.wg_split == Dim.M:
+      return self.tile_m // self.num_wgs, self.tile_n
+    return self.tile_m, self.tile_n // self.num_wgs
+
+  @property
+  def sub_n(self) -> int:
+    """Columns of one sub-tile (one wgmma and one b_s scalar)."""
+    return min(self.wg_tile[1], BLOCK)
+
+  def epi_n(self, out_dtype) -> int:
+    """Columns per epilogue store for this output dtype."""
+    return self.epi_tile_n or 128 // jnp.dtype(out_dtype).itemsize
+
+  def validate(self) -> None:
+    """Raises ValueError for a config this kernel cannot build."""
+    if self.num_compute_wgs not in (1, 2):
+      raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+    if self.k_blocks_per_step not in (1, 2):
+      raise ValueError(f"k_blocks_per_step must be 1 or 2, got {self.k_blocks_per_step}")
+    if self.tile_n not in (64, 128, 256):
+      raise ValueError(f"tile_n must be 64, 128 or 256, got {self.tile_n}")
+    if self.tile_m % WGMMA_M or not 0 < self.tile_m <= 256:
+      raise ValueError(f"tile_m must be a multiple of {WGMMA_M} in [64, 256], got {self.tile_m}")
+    wg_m, wg_n = self.wg_tile
+    if wg_m % WGMMA_M or wg_m == 0:
+      raise ValueError(f"each consumer warpgroup needs a multiple of {WGMMA_M} rows; config gives {wg_m}")
+    if wg_n % 64 or wg_n == 0:
+      raise ValueError(f"each consumer warpgroup needs a multiple of 64 columns; config gives {wg_n}")
+    if self.epi_tile_n is not None and (self.epi_tile_n not in (16, 32, 64) or self.sub_n % self.epi_tile_n):
+      raise ValueError(f"epi_tile_n must be 16, 32 or 64 and divide the sub-tile width {self.sub_n}, "
+                       f"got {self.epi_tile_n}")
+    if self.max_concurrent_steps < 1:
+      raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
+    if self.grid_tile_width < 1:
+      raise ValueError(f"grid_tile_width must be >= 1, got {self.grid_tile_width}")
+    if self.grid_size is not None and self.grid_size < 1:
+      raise ValueError(f"grid_size must be >= 1, got {self.grid_size}")
+    if self.cluster_dim is not None and not (self.warp_specialized and self.persistent):
+      raise ValueError("cluster_dim needs warp_specialized=True and persistent=True")
+
+  def smem_bytes(self, out_dtype) -> int:
+    """Shared memory the kernel allocates: pipeline stages, epilogue buffers, barriers (a close upper estimate)."""
+    bk = BLOCK * self.k_blocks_per_step
+    # A tile, B tile, activation scales, and (over-counted) the stage's barriers and alignment.
+    stage = self.tile_m * bk + self.tile_n * bk + 4 * self.k_blocks_per_step * self.tile_m + 128
+    epilogue = self.num_wgs * 2 * WGMMA_M * self.epi_n(out_dtype) * jnp.dtype(out_dtype).itemsize
+    return self.max_concurrent_steps * stage + epilogue + 512
+
+
+# ------------------------------------------------------------------------------------------------ the math, per step
+
+
+def _zero_accumulators(cfg: MosaicGemmConfig) -> tuple[jax.Array, ...]:
+  wg_m, wg_n = cfg.wg_tile
+  zeros = plgpu.layout_cast(jnp.zeros((WGMMA_M, cfg.sub_n), jnp.float32), plgpu.Layout.WGMMA)
+  return tuple(zeros for _ in range((wg_m // WGMMA_M) * (wg_n // cfg.sub_n)))
+
+
+def _scaled_mma_step(
+    accs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, n_block0, cfg: MosaicGemmConfig, num_k_blocks: int,
+    num_n_blocks: int,
+):
+  """One pipeline step of one consumer warpgroup: accs[i, j] += sum over the step's K blocks of scaled partials.
+
+  a_smem: (wg_m, bk) rows of this warpgroup; b_smem: (wg_n, bk) columns of this warpgroup; as_smem: (kbps, wg_m)
+  activation scales; bs_gmem: the (N // 128, K // 128) weight scales; n_block0: the 128-column block of the
+  warpgroup's first column; k_step: the pipeline step.
+  """
+  wg_m, wg_n = cfg.wg_tile
+  sub_n, kbps = cfg.sub_n, cfg.k_blocks_per_step
+  subs_m, subs_n = wg_m // WGMMA_M, wg_n // sub_n
+  # Scalars first: their global-memory latency hides behind the wgmmas. Clamped indices only occur for blocks past N
+  # or K, whose partials are zero (TMA zero fill) and whose outputs are clipped.
+  b_scales = {}
+  for kb in range(kbps):
+    k_block = jnp.minimum(k_step * kbps + kb, num_k_blocks - 1)
+    for j in range(subs_n):
+      n_block = jnp.minimum(n_block0 + (j * sub_n) // BLOCK, num_n_blocks - 1)
+      b_scales[kb, j] = bs_gmem[n_block, k_block]
+  new_accs = list(accs)
+  for i in range(subs_m):
+    rows = pl.ds(i * WGMMA_M, WGMMA_M)
+    row_scales = [
+        plgpu.load(as_smem.at[kb, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) for kb in range(kbps)
+    ]
+    for j in range(subs_n):
+      cols = pl.ds(j * sub_n, sub_n)
+
+      def issue_and_scale(*fresh_refs, i=i, j=j, rows=rows, cols=cols, row_scales=row_scales):
+        for kb, fresh in enumerate(fresh_refs):
+          ks = pl.ds(kb * BLOCK, BLOCK)
+          plgpu.wgmma(fresh, a_smem.at[rows, ks], b_smem.at[cols, ks].T)
+        acc = new_accs[i * subs_n + j]
+        for kb, fresh in enumerate(fresh_refs):
+          # Wait only for this K block's wgmma: the later ones keep the tensor cores busy meanwhile.
+          partial = plgpu.wgmma_accumulator_load(fresh, wait_n=kbps - 1 - kb)
+          scale = row_scales[kb] * b_scales[kb, j]
+          acc = acc + partial * lax.broadcast_in_dim(scale, (WGMMA_M, sub_n), [0])
+        return acc
+
+      new_accs[i * subs_n + j] = pl.run_scoped(
+          issue_and_scale, *(plgpu.ACC((WGMMA_M, sub_n), jnp.float32) for _ in range(kbps))
+      )
+  return tuple(new_accs)
+
+
+def _finish_subtile(acc, bias_gmem, col0, n: int, out_dtype, sub_n: int):
+  """bias (added in f32) and the output cast of one (64, sub_n) sub-tile whose first column is col0."""
+  if bias_gmem is not None:
+    # A sub-tile lies wholly inside or wholly past N (N % 128 == 0); clamping keeps the load of one past N in bounds.
+    start = jnp.minimum(col0, n - sub_n)
+    bias = plgpu.load(bias_gmem.at[pl.ds(start, sub_n)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+    acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), acc.shape, [1])
+  return acc.astype(out_dtype)
+
+
+def _epilogue_smem(num_wgs: int, out_dtype, epi_n: int):
+  """Two epilogue slots per consumer warpgroup: one is written while the other's TMA store drains. Rows of at most one
+  swizzle span and no tiling, so that the TMA stores need no tiled view of the output (any M)."""
+  row_bytes = epi_n * jnp.dtype(out_dtype).itemsize
+  if row_bytes > 128:
+    raise ValueError(f"epilogue rows of {epi_n} x {jnp.dtype(out_dtype).name} exceed 128 bytes")
+  return plgpu.SMEM((num_wgs, 2, WGMMA_M, epi_n), out_dtype,
+                    transforms=(plgpu.SwizzleTransform(plgpu.find_swizzle(row_bytes * 8)),))
+
+
+def _epilogue(accs, slots, out_gmem, bias_gmem, row0, col0, cfg: MosaicGemmConfig):
+  """Writes one warpgroup's (wg_m, wg_n) tile whose top-left element is (row0, col0): bias, cast, SMEM, TMA store.
+
+  accs: the (64, sub_n) sub-tile accumulators; slots: this warpgroup's (2, 64, epi_n) epilogue buffers.
+  """
+  n = out_gmem.shape[1]
+  out_dtype = out_gmem.dtype
+  sub_n, epi_n = cfg.sub_n, cfg.epi_n(out_dtype)
+  subs_n = cfg.wg_tile[1] // sub_n
+  # The previous tile's TMA stores must have read the slots before we overwrite them.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  slot = 0
+  for idx, acc in enumerate(accs):
+    i, j = divmod(idx, subs_n)
+    out = _finish_subtile(acc, bias_gmem, col0 + j * sub_n, n, out_dtype, sub_n)
+    for e in range(sub_n // epi_n):
+      piece = out if epi_n == sub_n else out[:, e * epi_n:(e + 1) * epi_n]
+      # At most one store in flight: the one reading the other slot.
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      slots[slot] = piece
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          slots.at[slot],
+          out_gmem.at[pl.ds(row0 + i * WGMMA_M, WGMMA_M), pl.ds(col0 + j * sub_n + e * epi_n, epi_n)],
+      )
+      slot = 1 - slot
+
+
+def _in_specs(cfg: MosaicGemmConfig, m_idx, n_idx):
+  """A tile, B tile and activation scales of pipeline step k; the operands a CTA cluster shares are multicast."""
+  bk = BLOCK * cfg.k_blocks_per_step
+  shared_a = ("cluster",) if cfg.cluster_dim == Dim.N else None
+  shared_b = ("cluster",) if cfg.cluster_dim == Dim.M else None
+  return [
+      plgpu.BlockSpec((cfg.tile_m, bk), lambda k: (m_idx, k), transforms=_FP8_TRANSFORMS, collective_axes=shared_a),
+      plgpu.BlockSpec((cfg.tile_n, bk), lambda k: (n_idx, k), transforms=_FP8_TRANSFORMS, collective_axes=shared_b),
+      plgpu.BlockSpec((cfg.k_blocks_per_step, cfg.tile_m), lambda k: (k, m_idx), collective_axes=shared_a),
+  ]
+
+
+# ----------------------------------------------------------------------------------------- kernel 1: one warpgroup
+
+
+def _simple_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, out_smem, *, cfg: MosaicGemmConfig):
+  k = a_gmem.shape[1]
+  n = b_gmem.shape[0]
+  num_k_blocks, num_n_blocks = k // BLOCK, n // BLOCK
+  n_idx = lax.axis_index("n")
+  m_idx = lax.axis_index("m")
+
+  def step(indices, a_smem, b_smem, as_smem, accs):
+    (k_step,) = indices
+    return _scaled_mma_step(
+        accs, a_smem, b_smem, as_smem, bs_gmem, k_step=k_step, n_block0=(n_idx * cfg.tile_n) // BLOCK, cfg=cfg,
+        num_k_blocks=num_k_blocks, num_n_blocks=num_n_blocks,
+    )
+
+  accs = plgpu.emit_pipeline(
+      step,
+      grid=(pl.cdiv(num_k_blocks, cfg.k_blocks_per_step),),
+      in_specs=_in_specs(cfg, m_idx, n_idx),
+      max_concurrent_steps=cfg.max_concurrent_steps,
+      init_carry=_zero_accumulators(cfg),
+  )(a_gmem, b_gmem, as_gmem)
+  _epilogue(accs, out_smem.at[0], out_gmem, bias_gmem, m_idx * cfg.tile_m, n_idx * cfg.tile_n, cfg)
+  plgpu.wait_smem_to_gmem(0)
+
+
+# ------------------------------------------------------------------------------- kernel 2: warp-specialized, persistent
+
+
+def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, *, cfg: MosaicGemmConfig):
+  m, n = out_gmem.shape  # a_gmem may have zero rows appended (see the module docstring)
+  k = a_gmem.shape[1]
+  num_k_blocks, num_n_blocks = k // BLOCK, n // BLOCK
+  m_iters, n_iters = pl.cdiv(m, cfg.tile_m), pl.cdiv(n, cfg.tile_n)
+  wg_m, wg_n = cfg.wg_tile
+
+  def get_pipeline(body, compute_context, m_idx=0, n_idx=0):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(pl.cdiv(num_k_blocks, cfg.k_blocks_per_step),),
+        memory_registers=40,
+        in_specs=_in_specs(cfg, m_idx, n_idx),
+        wg_axis="wg",
+        num_compute_wgs=cfg.num_compute_wgs,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, as_gmem),
+      out_smem=_epilogue_smem(cfg.num_compute_wgs, out_gmem.dtype, cfg.epi_n(out_gmem.dtype)),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, out_smem):
+    wg_idx = lax.axis_index("wg")
+
+    def tile(m_idx, n_idx):
+      if cfg.wg_split == Dim.M or cfg.num_compute_wgs == 1:
+        wg_row0, wg_col0 = wg_idx * wg_m if cfg.num_compute_wgs > 1 else 0, 0
+      else:
+        wg_row0, wg_col0 = 0, wg_idx * wg_n
+      row0 = m_idx * cfg.tile_m + wg_row0
+      col0 = n_idx * cfg.tile_n + wg_col0
+
+      def compute_context(run_pipeline):
+        accs = run_pipeline(_zero_accumulators(cfg))
+        _epilogue(accs, out_smem.at[wg_idx], out_gmem, bias_gmem, row0, col0, cfg)
+
+      def mma_body(indices, a_smem, b_smem, as_smem, accs):
+        (k_step,) = indices
+        return _scaled_mma_step(
+            accs,
+            a_smem.at[pl.ds(wg_row0, wg_m)],
+            b_smem.at[pl.ds(wg_col0, wg_n)],
+            as_smem.at[:, pl.ds(wg_row0, wg_m)],
+            bs_gmem,
+            k_step=k_step,
+            n_block0=col0 // BLOCK,
+            cfg=cfg,
+            num_k_blocks=num_k_blocks,
+            num_n_blocks=num_n_blocks,
+        )
+
+      get_pipeline(mma_body, compute_context, m_idx, n_idx)(a_gmem, b_gmem, as_gmem, allocations=pipeline_allocs)
+
+    if cfg.persistent:
+      # With a cluster, the loop runs over pairs of tiles; the CTAs of a cluster take the two tiles of a pair.
+      m_pairs = pl.cdiv(m_iters, 2) if cfg.cluster_dim == Dim.M else m_iters
+      n_pairs = pl.cdiv(n_iters, 2) if cfg.cluster_dim == Dim.N else n_iters
+
+      @plgpu.nd_loop((m_pairs * n_pairs,), collective_axes="sm")
+      def _tile_loop(loop_info: plgpu.NDLoopInfo):
+        (lin_idx,) = loop_info.index
+        m_idx, n_idx = plgpu.planar_snake(lin_idx, (m_pairs, n_pairs), int(cfg.grid_minor_dim), cfg.grid_tile_width)
+        # A tile past M or N (odd tile counts) loads TMA zero fill and stores nothing: harmless.
+        if cfg.cluster_dim == Dim.M:
+          m_idx = 2 * m_idx + lax.axis_index("cluster")
+        elif cfg.cluster_dim == Dim.N:
+          n_idx = 2 * n_idx + lax.axis_index("cluster")
+        tile(m_idx, n_idx)
+    else:
+      tile(lax.axis_index("m"), lax.axis_index("n"))
+
+  # Every TMA store must land before the kernel exits.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# ------------------------------------------------------------------------------------------------------ the launcher
+
+
+def _fit_smem(config: MosaicGemmConfig, out_dtype, num_k_steps: int) -> MosaicGemmConfig:
+  """Lowers max_concurrent_steps until the config fits in shared memory (and to at most the number of K steps)."""
+  steps = max(1, min(config.max_concurrent_steps, num_k_steps))
+  config = dataclasses.replace(config, max_concurrent_steps=steps)
+  while config.smem_bytes(out_dtype) > SMEM_BYTES and config.max_concurrent_steps > 1:
+    config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+  return config
+
+
+def _balance(num_tiles: int, num_ctas: int) -> float:
+  """Fraction of CTA-tile slots doing work when num_tiles are spread over num_ctas persistent CTAs."""
+  return num_tiles / (pl.cdiv(num_tiles, num_ctas) * num_ctas)
+
+
+def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int | None = None) -> MosaicGemmConfig:
+  """Heuristic config by problem size (a starting point, to be refined by measurements on the H200)."""
+  num_sms = num_sms or _platform.num_sms()
+  epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
+  if m <= WGMMA_M:
+    # Decode: a single 64-row tile (mostly TMA zero fill; the tensor cores have time to spare) and one consumer
+    # warpgroup, on a persistent grid whose producer streams the next tile's weight during the epilogue. Column tiles
+    # as wide as keeps the SMs evenly loaded (wider tiles re-read the activations from L2 less often).
+    tile_n = 128 if _balance(n // 128, num_sms) >= 0.9 else 64
+    config = MosaicGemmConfig(
+        tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=8, num_compute_wgs=1, epi_tile_n=epi_tile_n,
+    )
+  else:
+    # Prefill: 128x128 CTA tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), on a persistent grid.
+    # When that leaves SMs idle (few tiles), 64x128 tiles split in N between the warpgroups: twice the tiles, at a
+    # guessed 20% lower per-tile efficiency (64x64 wgmmas, more L2 traffic per flop).
+    wide = _balance(pl.cdiv(m, 128) * (n // 128), num_sms)
+    narrow = 0.8 * _balance(pl.cdiv(m, 64) * (n // 128), num_sms)
+    if wide >= narrow:
+      config = MosaicGemmConfig(
+          tile_m=128, tile_n=128, max_concurrent_steps=6, num_compute_wgs=2, wg_split=Dim.M, grid_minor_dim=Dim.M,
+          grid_tile_width=8, epi_tile_n=epi_tile_n,
+      )
+    else:
+      config = MosaicGemmConfig(
+          tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n,
+      )
+  return _fit_smem(config, out_dtype, pl.cdiv(k // BLOCK, config.k_blocks_per_step))
+
+
+def check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config: MosaicGemmConfig) -> None:
+  """Raises ValueError naming the argument for anything this kernel does not do."""
+  if a_q.ndim != 2 or b_q.ndim != 2:
+    raise ValueError(f"a_q and b_q must be 2-D, got shapes {a_q.shape} and {b_q.shape}")
+  m, k = a_q.shape
+  n, k2 = b_q.shape
+  fp8 = jnp.dtype(jnp.float8_e4m3fn)
+  if a_q.dtype != fp8 or b_q.dtype != fp8:
+    raise ValueError(f"a_q and b_q must be float8_e4m3fn, got {a_q.dtype} and {b_q.dtype}")
+  if k != k2:
+    raise ValueError(f"a_q K={k} does not match b_q K={k2}")
+  if m == 0:
+    raise ValueError("a_q has M=0 rows")
+  if k % BLOCK or k == 0:
+    raise ValueError(f"K={k} must be a positive multiple of {BLOCK}")
+  if n % BLOCK or n == 0:
+    raise ValueError(f"N={n} must be a positive multiple of {BLOCK}")
+  if a_s_col.dtype != jnp.float32 or a_s_col.ndim != 2:
+    raise ValueError(f"a_s_col must be a 2-D float32 array, got {a_s_col.dtype} {a_s_col.shape}")
+  if a_s_col.shape[0] != k // BLOCK or a_s_col.shape[1] < m or a_s_col.shape[1] % 4:
+    raise ValueError(
+        f"a_s_col must be column-major ({k // BLOCK}, M') with M' >= M={m} and M' % 4 == 0 (TMA), got {a_s_col.shape}"
+    )
+  if b_s.dtype != jnp.float32 or b_s.shape != (n // BLOCK, k // BLOCK):
+    raise ValueError(f"b_s must be float32 of shape {(n // BLOCK, k // BLOCK)}, got {b_s.dtype} {b_s.shape}")
+  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+    raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+  if bias is not None:
+    if bias.shape != (n,):
+      raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    if jnp.dtype(bias.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(out_dtype)):
+      raise ValueError(f"bias must be float32 or the output dtype {jnp.dtype(out_dtype)}, got {bias.dtype}")
+  config.validate()
+  if config.epi_n(out_dtype) * jnp.dtype(out_dtype).itemsize > 128:
+    raise ValueError(f"epi_tile_n={config.epi_tile_n} gives epilogue rows over 128 bytes for {jnp.dtype(out_dtype)}")
+  if (smem := config.smem_bytes(out_dtype)) > SMEM_BYTES:
+    raise ValueError(f"config needs {smem} bytes of shared memory > {SMEM_BYTES}: {config}")
+
+
+def block_fp8_matmul(
+    a_q: jax.Array,
+    b_q: jax.Array,
+    a_s_col: jax.Array,
+    b_s: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+    bias: jax.Array | None = None,
+    config: MosaicGemmConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """C = a_q @ b_q.T with (1, 128) activation and (128, 128) weight block scales; see the module docstring.
+
+  a_q (M, K) e4m3fn; b_q (N, K) e4m3fn; a_s_col (K // 128, M') float32 column-major, M' >= M, M' % 4 == 0;
+  b_s (N // 128, K // 128) float32; bias (N,) float32 or out_dtype. Returns (M, N) out_dtype.
+  Raises ValueError for inputs or configs the kernel cannot do.
+  """
+  m, k = a_q.shape
+  n = b_q.shape[0]
+  out_dtype = jnp.dtype(out_dtype)
+  if config is None:
+    config = default_config(m, n, k, out_dtype)
+  check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config)
+  if m > 8 and m % 8:
+    # The tiled TMA view of a_q needs M % 8 == 0 (module docstring): zero rows, never stored, make it so.
+    a_q = jnp.pad(a_q, ((0, -m % 8), (0, 0)))
+  m_iters, n_iters = pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n)
+  out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
+  interpret_params: Any = plgpu.InterpretGPUParams() if interpret else None
+
+  if not config.warp_specialized:
+    def body(a_gmem, b_gmem, as_gmem, bs_gmem, *rest):
+      bias_gmem = rest[0] if bias is not None else None
+      out_gmem, out_smem = rest[-2:]
+      _simple_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, out_smem, cfg=config)
+
+    f = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(n_iters, m_iters),
+        grid_names=("n", "m"),
+        scratch_types=[_epilogue_smem(1, out_dtype, config.epi_n(out_dtype))],
+        interpret=interpret_params,
+    )
+  else:
+    def body(a_gmem, b_gmem, as_gmem, bs_gmem, *rest):
+      bias_gmem = rest[0] if bias is not None else None
+      _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, rest[-1], cfg=config)
+
+    cluster_kwargs = {}
+    if config.persistent:
+      cluster_size = 1 if config.cluster_dim is None else 2
+      num_pairs = (pl.cdiv(m_iters, 2) * n_iters if config.cluster_dim == Dim.M else
+                   m_iters * pl.cdiv(n_iters, 2) if config.cluster_dim == Dim.N else m_iters * n_iters)
+      num_clusters = min((config.grid_size or _platform.num_sms()) // cluster_size, num_pairs)
+      grid, grid_names = (max(num_clusters, 1),), ("sm",)
+      if cluster_size > 1:
+        cluster_kwargs = dict(cluster=(cluster_size,), cluster_names=("cluster",))
+    else:
+      grid, grid_names = (n_iters, m_iters), ("n", "m")
+    f = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        **cluster_kwargs,
+        num_threads=config.num_compute_wgs + 1,
+        thread_name="wg",
+        interpret=interpret_params,
+    )
+  args = (a_q, b_q, a_s_col, b_s) + ((bias,) if bias is not None else ())
+  return f(*args)

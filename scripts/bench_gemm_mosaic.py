@@ -1,0 +1,259 @@
+"""GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (pallas_kernels/gemm_mosaic.py).
+
+  python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick]
+
+(a) every candidate config against an f32 XLA computation of SPEC 2 at a few odd shapes (partial row tiles, bias);
+(b) CUPTI kernel times (jaxfp8.timing.median_kernel_us) at M in {1, 16, 64, 256, 1024, 4096} for (N, K) =
+(24576, 7168) and (7168, 2048): the heuristic's choice first, then the sweep candidates, and the cuBLASLt FP8 GEMM
+(XLA dot_general, per-tensor scales, no block scales) as a yardstick. Prints TFLOP/s and, for M <= 64, the ratio to
+the weight-streaming floor (weight bytes / 4.3 TB/s). A config that fails to compile or run is logged and skipped.
+Stops starting new measurements once --budget_s is spent, and writes the JSON (with what was skipped) either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfp8 import _platform, timing
+from pallas_kernels import gemm_mosaic as gm
+from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
+
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (PALLAS_NOTES.md)
+L2_BYTES = 60 << 20
+TIMED_SHAPES = [(24576, 7168), (7168, 2048)]
+TIMED_M = [1, 16, 64, 256, 1024, 4096]
+# (M, N, K, out dtype): partial row tiles, N not a multiple of 256, a short K.
+CHECK_CASES = [(36, 1536, 7168, jnp.bfloat16), (300, 7168 + 128, 2048, jnp.bfloat16), (1000, 4096, 512, jnp.float32)]
+
+C = MosaicGemmConfig
+# Decode (M <= 64): one consumer warpgroup, 64-row tile, weight streaming.
+DECODE = {
+    "d64x64_s8_persist": C(tile_m=64, tile_n=64, max_concurrent_steps=8, num_compute_wgs=1),
+    "d64x64_s8": C(tile_m=64, tile_n=64, max_concurrent_steps=8, num_compute_wgs=1, persistent=False),
+    "d64x64_s5": C(tile_m=64, tile_n=64, max_concurrent_steps=5, num_compute_wgs=1, persistent=False),
+    "d64x128_s8": C(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=1, persistent=False),
+    "d64x128_s8_persist": C(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=1),
+    "d64x256_s5_persist": C(tile_m=64, tile_n=256, max_concurrent_steps=5, num_compute_wgs=1),
+    "d64x128_k2_s4": C(tile_m=64, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
+                       persistent=False),
+}
+# Medium M: 2 consumer warpgroups side by side in N.
+MEDIUM = {
+    "m64x128_n_s7": C(tile_m=64, tile_n=128, max_concurrent_steps=7, wg_split=Dim.N),
+    "m64x256_n_s5": C(tile_m=64, tile_n=256, max_concurrent_steps=5, wg_split=Dim.N),
+    "m128x128_m_s5": C(tile_m=128, tile_n=128, max_concurrent_steps=5),
+}
+# Prefill: persistent, 2 consumer warpgroups.
+PREFILL = {
+    "p128x128_m_s5": C(tile_m=128, tile_n=128, max_concurrent_steps=5),
+    "p128x128_m_s5_nminor": C(tile_m=128, tile_n=128, max_concurrent_steps=5, grid_minor_dim=Dim.N),
+    "p128x128_m_s5_w16": C(tile_m=128, tile_n=128, max_concurrent_steps=5, grid_tile_width=16),
+    "p128x128_m_k2_s3": C(tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, epi_tile_n=16),
+    "p128x256_n_s4": C(tile_m=128, tile_n=256, max_concurrent_steps=4, wg_split=Dim.N),
+    "p256x128_m_s4": C(tile_m=256, tile_n=128, max_concurrent_steps=4),
+    "p128x256_m_s4": C(tile_m=128, tile_n=256, max_concurrent_steps=4),
+    "p128x128_simple_s4": C(tile_m=128, tile_n=128, max_concurrent_steps=4, warp_specialized=False),
+    "p128x128_m_s5_clM": C(tile_m=128, tile_n=128, max_concurrent_steps=5, cluster_dim=Dim.M),
+    "p128x128_m_s5_clN": C(tile_m=128, tile_n=128, max_concurrent_steps=5, cluster_dim=Dim.N),
+    "p128x256_n_s4_clM": C(tile_m=128, tile_n=256, max_concurrent_steps=4, wg_split=Dim.N,
+                           cluster_dim=Dim.M),
+}
+CANDIDATES = {**DECODE, **MEDIUM, **PREFILL}
+
+
+def _fit(config: MosaicGemmConfig, out_dtype=jnp.bfloat16) -> MosaicGemmConfig:
+  return gm._fit_smem(config, out_dtype, 1 << 20)
+
+
+def _problem(key, m, n, k, num_weight_sets=1):
+  """Random fp8 operands and scales (never zeros); `num_weight_sets` copies of the weight to defeat the L2."""
+  ka, kb, ks, kt = jax.random.split(key, 4)
+  a_q = jnp.clip(jax.random.normal(ka, (m, k)) * 60, -448, 448).astype(jnp.float8_e4m3fn)
+  a_s = (10.0 ** jax.random.uniform(ks, (k // 128, -(-m // 4) * 4), minval=-3, maxval=-1)).astype(jnp.float32)
+  weights = []
+  for i in range(num_weight_sets):
+    kbi, kti = jax.random.split(jax.random.fold_in(kb, i))
+    b_q = jnp.clip(jax.random.normal(kbi, (n, k)) * 60, -448, 448).astype(jnp.float8_e4m3fn)
+    b_s = (10.0 ** jax.random.uniform(kti, (n // 128, k // 128), minval=-4, maxval=-2)).astype(jnp.float32)
+    weights.append((b_q, b_s))
+  return a_q, a_s, weights
+
+
+@jax.jit
+def _reference_f32(a_q, b_q, a_s_col, b_s, bias):
+  m, k = a_q.shape
+  n = b_q.shape[0]
+  groups = k // 128
+  a = a_q.astype(jnp.float32).reshape(m, groups, 128)
+  b = b_q.astype(jnp.float32).reshape(n, groups, 128)
+  b_s_cols = jnp.repeat(b_s, 128, axis=0)
+
+  def body(g, acc):
+    part = jax.lax.dot_general(a[:, g], b[:, g], (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+    return acc + part * a_s_col[g, :m][:, None] * b_s_cols[:, g][None, :]
+
+  return jax.lax.fori_loop(0, groups, body, jnp.zeros((m, n), jnp.float32)) + bias[None, :]
+
+
+def _short(e: BaseException) -> str:
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def check_configs(results: dict, deadline: float) -> int:
+  """Every config (and the heuristic's) against the f32 reference: bf16 at two odd shapes, f32 at one."""
+  failures = 0
+  cases = CHECK_CASES
+  problems = {}
+  for name, config in {"default": None, **CANDIDATES}.items():
+    for m, n, k, out_dtype in cases:
+      key = f"{name} M={m} N={n} K={k} {jnp.dtype(out_dtype).name}"
+      if time.monotonic() > deadline:
+        results["skipped"].append(f"check {key}")
+        continue
+      cfg = None if config is None else _fit(config, out_dtype)
+      if (m, n, k) not in problems:
+        a_q, a_s, [(b_q, b_s)] = _problem(jax.random.key(m + n + k), m, n, k)
+        bias = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
+        problems[m, n, k] = (a_q, b_q, a_s, b_s, bias), _reference_f32(a_q, b_q, a_s, b_s, bias)
+      inputs, expect = problems[m, n, k]
+      try:
+        out = jax.jit(lambda *xs, cfg=cfg, out_dtype=out_dtype: gm.block_fp8_matmul(
+            *xs[:4], bias=xs[4], out_dtype=out_dtype, config=cfg))(*inputs)
+        out32 = out.astype(jnp.float32)
+        err = float(jnp.linalg.norm(out32 - expect.astype(out_dtype).astype(jnp.float32)) / jnp.linalg.norm(expect))
+        finite = bool(jnp.isfinite(out32).all())
+        ok = finite and err <= (2e-4 if out_dtype == jnp.float32 else 5e-3)
+        results["checks"].append(dict(case=key, rel_err=err, finite=finite, ok=ok))
+        print(f"check {key}: rel_err={err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+        failures += not ok
+      except Exception as e:  # noqa: BLE001 - log and keep going
+        failures += 1
+        results["checks"].append(dict(case=key, ok=False, error=_short(e)))
+        print(f"check {key}: ERROR {_short(e)}", file=sys.stderr, flush=True)
+        traceback.print_exc(limit=2, file=sys.stderr)
+  return failures
+
+
+def _configs_for(m: int) -> dict[str, MosaicGemmConfig]:
+  if m <= 64:
+    return {**DECODE, "m64x128_n_s7": MEDIUM["m64x128_n_s7"]}
+  if m <= 256:
+    return {**MEDIUM, "p128x256_n_s4": PREFILL["p128x256_n_s4"]}
+  return PREFILL
+
+
+def _launcher(config: MosaicGemmConfig | None):
+  def fn(a_q, b_q, a_s, b_s):
+    return gm.block_fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=jnp.bfloat16, config=config)
+  return jax.jit(fn)
+
+
+def _xla_fp8_dot(a_q, b_q, a_s, b_s):
+  del a_s, b_s  # cuBLASLt FP8 with no block scales: a yardstick, not the same math
+  return jax.lax.dot_general(a_q, b_q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
+def time_configs(results: dict, deadline: float, quick: bool):
+  """Pass 1: the heuristic's config and the cuBLASLt yardstick everywhere. Pass 2: the sweep candidates."""
+  weights = {}
+  for n, k in TIMED_SHAPES:
+    num_sets = min(8, max(1, math.ceil(3 * L2_BYTES / (n * k))))  # rotate through > 3x the L2 of weights
+    weights[n, k] = _problem(jax.random.key(n + k), 4, n, k, num_sets)[2]
+  activations = {}
+
+  def measure(m, n, k, name, config):
+    case = f"M={m} N={n} K={k} {name}"
+    if time.monotonic() > deadline:
+      results["skipped"].append(f"time {case}")
+      return
+    if (m, k) not in activations:
+      activations[m, k] = _problem(jax.random.key(m * 7 + k), m, 128, k)[:2]
+    a_q, a_s = activations[m, k]
+    arg_sets = [(a_q, b_q, a_s, b_s) for b_q, b_s in weights[n, k]]
+    fn = jax.jit(_xla_fp8_dot) if config == "xla" else _launcher(config)
+    try:
+      us = timing.median_kernel_us(fn, arg_sets, iterations=20 if m <= 256 else 10)
+    except Exception as e:  # noqa: BLE001 - a config that fails to compile is logged and skipped
+      results["timings"].append(dict(case=case, m=m, n=n, k=k, config=name, error=_short(e)))
+      print(f"time {case}: ERROR {_short(e)}", file=sys.stderr, flush=True)
+      return
+    flops, weight_bytes = 2.0 * m * n * k, n * k
+    row = dict(case=case, m=m, n=n, k=k, config=name, us=us, tflops=flops / us / 1e6,
+               weight_gbps=weight_bytes / us / 1e3, floor_ratio=us / (weight_bytes / HBM_BYTES_PER_S * 1e6))
+    if isinstance(config, MosaicGemmConfig):
+      row["config_fields"] = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    results["timings"].append(row)
+    print(f"time {case:44s}: {us:9.1f} us {row['tflops']:7.1f} TFLOP/s {row['weight_gbps']:6.0f} GB/s "
+          f"floor x{row['floor_ratio']:.2f}", flush=True)
+
+  for n, k in TIMED_SHAPES:
+    for m in TIMED_M:
+      measure(m, n, k, "default", gm.default_config(m, n, k))
+      measure(m, n, k, "xla_fp8_dot", "xla")
+  if quick:
+    return
+  for m in TIMED_M:
+    for n, k in TIMED_SHAPES:
+      for name, config in _configs_for(m).items():
+        measure(m, n, k, name, _fit(config))
+
+
+def summarize(results: dict):
+  best: dict[tuple[int, int, int], dict] = {}
+  for row in results["timings"]:
+    if "us" not in row or row["config"] == "xla_fp8_dot":
+      continue
+    key = (row["m"], row["n"], row["k"])
+    if key not in best or row["us"] < best[key]["us"]:
+      best[key] = row
+  results["best"] = [dict(m=m, n=n, k=k, config=row["config"], us=row["us"], tflops=row["tflops"],
+                          floor_ratio=row["floor_ratio"]) for (m, n, k), row in sorted(best.items())]
+  print("\nbest per shape:")
+  for row in results["best"]:
+    print(f"  M={row['m']:5d} N={row['n']:5d} K={row['k']:5d}: {row['config']:24s} {row['us']:9.1f} us "
+          f"{row['tflops']:7.1f} TFLOP/s floor x{row['floor_ratio']:.2f}")
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("out", help="JSON output path")
+  parser.add_argument("--budget_s", type=float, default=200.0, help="stop starting new measurements after this")
+  parser.add_argument("--quick", action="store_true", help="time only the heuristic's config")
+  parser.add_argument("--skip_checks", action="store_true")
+  args = parser.parse_args()
+  start = time.monotonic()
+  if not _platform.is_hopper():
+    print(f"needs a Hopper GPU; found {jax.devices()}", file=sys.stderr)
+    return 2
+  results: dict = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, checks=[], timings=[],
+                       skipped=[])
+  failures = 0
+  try:
+    if not args.skip_checks:
+      # Checks get at most 35% of the budget; timing is what this script is for.
+      failures = check_configs(results, start + 0.35 * args.budget_s)
+    time_configs(results, start + args.budget_s, args.quick)
+    summarize(results)
+  finally:
+    results["elapsed_s"] = time.monotonic() - start
+    results["check_failures"] = failures
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+    print(f"wrote {args.out} ({results['elapsed_s']:.0f} s, {failures} check failures, "
+          f"{len(results['skipped'])} skipped)", flush=True)
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

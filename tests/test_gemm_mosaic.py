@@ -1,0 +1,414 @@
+"""The Mosaic GPU block-FP8 GEMM (pallas_kernels/gemm_mosaic.py).
+
+On CPU: every config kind runs in Mosaic GPU interpret mode against the float64 reference (SPEC 2 tolerances, the
+exactness check, bias, scale arrays wider than M, partial tiles), and every config the heuristic can pick is lowered
+for CUDA at real model shapes (layout errors and shared-memory overflow fail here). Interpret mode fills fresh buffers
+with NaN, so an output element the kernel forgets to write shows up as NaN and fails the comparison.
+On an H200 (marked gpu + hopper): full-size DeepSeek-V3 / Qwen3 shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import numpy as np
+import pytest
+
+from jaxfp8 import _platform
+from jaxfp8 import reference as ref
+from pallas_kernels import gemm_mosaic as gm
+from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
+
+# The (N, K) weight shapes of /work/shared/shapes.json (DeepSeek-V3 full/TP8/TP16, Qwen3-32B/4B) with N and K
+# multiples of 128, the ones this kernel takes (576 and 2112 go to the portable kernel). Embedded so that the tests do
+# not depend on where the shared folder is mounted.
+MODEL_SHAPES = [
+    (1536, 7168), (24576, 1536), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432), (24576, 7168),
+    (4096, 7168), (7168, 2048), (3072, 1536), (4096, 512), (4608, 7168), (7168, 2304), (3072, 7168), (512, 7168),
+    (7168, 256), (2048, 512), (7168, 1024), (2304, 7168), (7168, 1152), (10240, 5120), (5120, 8192), (51200, 5120),
+    (5120, 25600), (6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728),
+]
+M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 3, 100, 1000]
+
+# Every structure the kernel has, small enough to interpret. grid_size=2 makes the persistent kernels loop over tiles.
+KINDS: dict[str, MosaicGemmConfig] = {
+    # One warpgroup, emit_pipeline, one CTA per tile.
+    "simple_64x128_k2": MosaicGemmConfig(
+        tile_m=64, tile_n=128, max_concurrent_steps=2, k_blocks_per_step=2, warp_specialized=False),
+    "simple_128x256": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=2, warp_specialized=False),
+    # Prefill: 2 consumer warpgroups stacked in M (64x128 each), persistent.
+    "ws2_m_128x128": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, grid_size=2),
+    "ws2_m_128x128_k2_epi32": MosaicGemmConfig(
+        tile_m=128, tile_n=128, max_concurrent_steps=2, k_blocks_per_step=2, epi_tile_n=32, grid_size=3,
+        grid_minor_dim=Dim.N, grid_tile_width=2),
+    # 128x128 per warpgroup (two 64-row sub-tiles each), in both splits.
+    "ws2_m_256x128": MosaicGemmConfig(tile_m=256, tile_n=128, max_concurrent_steps=2, grid_size=2),
+    "ws2_n_128x256": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=2, wg_split=Dim.N, grid_size=2),
+    # Medium M: 2 warpgroups side by side in N (64x64 each).
+    "ws2_n_64x128": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=3, wg_split=Dim.N, grid_size=2),
+    # CTA pairs in a cluster sharing the B tile (Dim.M) or the A tile (Dim.N) by TMA multicast; odd tile counts leave
+    # one CTA of the last pair a tile wholly past the edge.
+    "ws2_n_64x128_clusterM": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, wg_split=Dim.N,
+                                              grid_size=4, cluster_dim=Dim.M),
+    "ws2_m_128x128_clusterN": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, grid_size=2,
+                                               cluster_dim=Dim.N),
+    # Decode: one consumer warpgroup, one CTA per tile.
+    "ws1_64x64": MosaicGemmConfig(tile_m=64, tile_n=64, max_concurrent_steps=4, num_compute_wgs=1, persistent=False),
+    "ws1_64x128": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, num_compute_wgs=1, persistent=False),
+}
+
+
+def _quantized_problem(rng, m: int, n: int, k: int, *, extra_scale_cols: int = 0, scale_pad_value=1.0,
+                       decades: float = 2.0):
+  """Random activations and weights quantized as SPEC 1 and 4; group magnitudes vary over +-`decades` decades so
+  that a misapplied scale cannot hide."""
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  x *= np.repeat(10.0 ** rng.uniform(-decades, decades, (m, k // 128)), 128, axis=1).astype(np.float32)
+  a_q, a_s = ref.per_token_group_quant_fp8(x, 128, column_major_scales=True, scale_tma_aligned=True)
+  if extra_scale_cols:
+    pad = np.full((a_s.shape[0], extra_scale_cols), scale_pad_value, np.float32)
+    a_s = np.concatenate([a_s, pad], axis=1)
+  w = rng.standard_normal((n, k)).astype(np.float32)
+  w_scales = 10.0 ** rng.uniform(-decades, decades, (n // 128, k // 128))
+  w *= np.repeat(np.repeat(w_scales, 128, 0), 128, 1).astype(np.float32)
+  b_q, b_s = ref.quantize_weight_blockwise(w)
+  return a_q, b_q, a_s, b_s
+
+
+def _run(a_q, b_q, a_s, b_s, *, config, out_dtype=jnp.float32, bias=None):
+  out = gm.block_fp8_matmul(
+      jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s), out_dtype=out_dtype,
+      bias=None if bias is None else jnp.asarray(bias), config=config, interpret=True)
+  return np.asarray(out)
+
+
+def _check(out, a_q, b_q, a_s, b_s, out_dtype, bias=None):
+  expect = ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True, bias=bias)
+  assert out.shape == expect.shape and out.dtype == jnp.dtype(out_dtype)
+  assert np.isfinite(out.astype(np.float32)).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+  tolerance = 2e-4 if jnp.dtype(out_dtype) == jnp.float32 else 5e-3
+  err = ref.relative_error(out, ref.cast_output(expect, out_dtype))
+  assert err <= tolerance, err
+
+
+# --------------------------------------------------------------------------------------------- interpret-mode numerics
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("m,n,k", [(4, 384, 256), (132, 256, 512)])
+def test_matches_reference(rng, kind, m, n, k):
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k)
+  _check(_run(a_q, b_q, a_s, b_s, config=KINDS[kind]), a_q, b_q, a_s, b_s, jnp.float32)
+
+
+@pytest.mark.parametrize("kind", ["simple_64x128_k2", "ws2_m_128x128", "ws2_n_128x256", "ws1_64x64"])
+def test_single_k_block_and_odd_tiles(rng, kind):
+  # K = one block (the pipeline has one step); N not a multiple of 256 (a tile past N for the 256-wide configs);
+  # M = 8 (one partial row tile).
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, 8, 128 * 3, 128)
+  _check(_run(a_q, b_q, a_s, b_s, config=KINDS[kind]), a_q, b_q, a_s, b_s, jnp.float32)
+
+
+@pytest.mark.parametrize("kind,out_dtype,bias_dtype", [
+    ("ws2_m_128x128", jnp.bfloat16, jnp.float32),
+    ("ws2_n_128x256", jnp.float16, jnp.float16),
+    ("ws1_64x128", jnp.bfloat16, jnp.bfloat16),
+    ("simple_64x128_k2", jnp.float32, jnp.float32),
+    ("ws2_m_128x128_k2_epi32", jnp.float32, None),
+    ("simple_128x256", jnp.bfloat16, None),
+])
+def test_out_dtypes_and_bias(rng, kind, out_dtype, bias_dtype):
+  m, n, k = 132, 384, 256
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k, decades=1.0)  # keeps float16 outputs finite
+  bias = None
+  if bias_dtype is not None:
+    bias = (rng.standard_normal(n) * 10).astype(np.float32).astype(jnp.dtype(bias_dtype))
+  out = _run(a_q, b_q, a_s, b_s, config=KINDS[kind], out_dtype=out_dtype, bias=bias)
+  _check(out, a_q, b_q, a_s, b_s, out_dtype, bias=None if bias is None else bias.astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["simple_128x256", "ws2_m_128x128_k2_epi32", "ws2_n_128x256", "ws1_64x64"])
+def test_exact_small_integers(rng, kind):
+  # SPEC 2 exactness: integer fp8 in [-4, 4], power-of-two scales in [1/4, 4], K <= 2048 -> bit-exact fp32.
+  m, n, k = 132, 256, 640
+  a_q = rng.integers(-4, 5, (m, k)).astype(np.float32).astype(ref.FP8)
+  b_q = rng.integers(-4, 5, (n, k)).astype(np.float32).astype(ref.FP8)
+  a_s = (2.0 ** rng.integers(-2, 3, (k // 128, m))).astype(np.float32)
+  b_s = (2.0 ** rng.integers(-2, 3, (n // 128, k // 128))).astype(np.float32)
+  out = _run(a_q, b_q, a_s, b_s, config=KINDS[kind])
+  expect = ref.cast_output(ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True), jnp.float32)
+  np.testing.assert_array_equal(out, expect)
+
+
+@pytest.mark.parametrize("kind", ["ws2_m_128x128", "ws1_64x64", "simple_64x128_k2"])
+def test_scale_columns_past_m_are_ignored(rng, kind):
+  # a_s may be wider than M (M' >= M): its extra columns (NaN here) must not reach the output.
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, 8, 256, 256, extra_scale_cols=8, scale_pad_value=np.nan)
+  assert a_s.shape[1] == 16
+  _check(_run(a_q, b_q, a_s, b_s, config=KINDS[kind]), a_q, b_q, a_s, b_s, jnp.float32)
+
+
+def test_any_m(rng):
+  # The contract promises M % 4 == 0, but nothing in the kernel needs it (only the scale array's M' % 4 == 0).
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, 5, 128, 256)
+  a_q = a_q[:5]
+  _check(_run(a_q, b_q, a_s, b_s, config=KINDS["ws2_m_128x128"]), a_q, b_q, a_s, b_s, jnp.float32)
+
+
+def test_default_config_runs(rng):
+  for m in (4, 132):
+    a_q, b_q, a_s, b_s = _quantized_problem(rng, m, 256, 256)
+    _check(_run(a_q, b_q, a_s, b_s, config=None), a_q, b_q, a_s, b_s, jnp.float32)
+
+
+def test_poison_is_detected():
+  # The NaN fill of interpret mode is what makes forgotten outputs fail: check that it is on, with a kernel whose
+  # scales for one row are NaN: only that row may be NaN.
+  rng = np.random.default_rng(0)
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, 8, 128, 128)
+  a_s[0, 3] = np.nan
+  out = _run(a_q, b_q, a_s, b_s, config=KINDS["ws1_64x64"])
+  assert np.isnan(out[3]).all() and np.isfinite(np.delete(out, 3, axis=0)).all()
+
+
+@pytest.mark.parametrize("kind", ["simple_128x256", "ws2_m_128x128", "ws1_64x64", "ws2_n_128x256"])
+def test_no_data_races(rng, kind, capfd):
+  # The interpreter's happens-before race detector, e.g. on the epilogue's SMEM slots against their TMA stores. In JAX
+  # 0.11.2 it also flags the warp-specialized pipeline's own protocol (the producer's TMA write of a stage against the
+  # consumer's earlier read of it, ordered by the consumed barrier that it does not model): those reports, and only
+  # those, name the scale load in _scaled_mma_step; every other report fails the test.
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, 132, 256, 256)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+    out = gm.block_fp8_matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
+                              out_dtype=jnp.float32, config=KINDS[kind])
+    out = np.asarray(out)
+  reports = capfd.readouterr().out.split("RACE DETECTED")[1:]
+  unexplained = [r for r in reports if "_scaled_mma_step" not in r]
+  assert not unexplained, unexplained[0]
+  if not KINDS[kind].warp_specialized:
+    assert not reports
+  _check(out, a_q, b_q, a_s, b_s, jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+
+
+def _args(m=8, n=256, k=384, m_cols=None):
+  return (jnp.zeros((m, k), jnp.float8_e4m3fn), jnp.zeros((n, k), jnp.float8_e4m3fn),
+          jnp.ones((k // 128, m_cols or m), jnp.float32), jnp.ones((n // 128, k // 128), jnp.float32))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: (a[0], a[1][:200], a[2], a[3][:1]), "N=200"),
+    (lambda a: (a[0][:, :200], a[1][:, :200], a[2][:1], a[3][:, :1]), "K=200"),
+    (lambda a: (a[0].astype(jnp.float8_e5m2), *a[1:]), "float8_e4m3fn"),
+    (lambda a: (a[0], a[1], a[2][:, :6], a[3]), "a_s_col"),
+    (lambda a: (a[0][:6], a[1], a[2][:, :6], a[3]), "M' % 4"),
+    (lambda a: (a[0], a[1], a[2].T, a[3]), "a_s_col"),
+    (lambda a: (a[0], a[1], a[2], a[3].T), "b_s"),
+    (lambda a: (a[0], a[1], a[2].astype(jnp.bfloat16), a[3]), "a_s_col"),
+    (lambda a: (a[0], a[1][:, :128], a[2], a[3]), "K="),
+])
+def test_rejects_unsupported_inputs(change, match):
+  with pytest.raises(ValueError, match=match):
+    gm.block_fp8_matmul(*change(_args()), interpret=True)
+
+
+def test_rejects_bad_options():
+  args = _args()
+  with pytest.raises(ValueError, match="128 bytes"):
+    gm.block_fp8_matmul(*args, out_dtype=jnp.float32, config=MosaicGemmConfig(epi_tile_n=64), interpret=True)
+  with pytest.raises(ValueError, match="out_dtype"):
+    gm.block_fp8_matmul(*args, out_dtype=jnp.int8, interpret=True)
+  with pytest.raises(ValueError, match="bias"):
+    gm.block_fp8_matmul(*args, bias=jnp.zeros((255,), jnp.float32), interpret=True)
+  with pytest.raises(ValueError, match="bias"):
+    gm.block_fp8_matmul(*args, bias=jnp.zeros((256,), jnp.float16), interpret=True)  # out is bf16
+  for bad in (MosaicGemmConfig(tile_n=96), MosaicGemmConfig(tile_m=96), MosaicGemmConfig(k_blocks_per_step=3),
+              MosaicGemmConfig(tile_m=64, wg_split=Dim.M), MosaicGemmConfig(num_compute_wgs=3),
+              MosaicGemmConfig(epi_tile_n=48), MosaicGemmConfig(epi_tile_n=128), MosaicGemmConfig(max_concurrent_steps=12),
+              MosaicGemmConfig(grid_size=0), MosaicGemmConfig(cluster_dim=Dim.M, persistent=False)):
+    with pytest.raises(ValueError):
+      gm.block_fp8_matmul(*args, config=bad, interpret=True)
+
+
+# -------------------------------------------------------------------------------------------- heuristic and lowering
+
+
+def test_default_config_is_valid_everywhere():
+  for n, k in MODEL_SHAPES:
+    for m in M_VALUES:
+      for out_dtype in (jnp.bfloat16, jnp.float32):
+        config = gm.default_config(m, n, k, out_dtype, num_sms=132)
+        config.validate()
+        assert config.smem_bytes(out_dtype) <= gm.SMEM_BYTES, (m, n, k, config)
+        if m <= 64:
+          assert config.num_wgs == 1 and config.tile_m == 64
+
+
+def _lower(m, n, k, config, out_dtype=jnp.bfloat16, with_bias=False):
+  structs = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((k // 128, -(-m // 4) * 4), jnp.float32),
+             jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32)]
+  if with_bias:
+    structs.append(jax.ShapeDtypeStruct((n,), jnp.float32))
+
+  def f(a_q, b_q, a_s, b_s, bias=None):
+    return gm.block_fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=out_dtype, bias=bias, config=config)
+
+  with _platform.abstract_h200():
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*structs)
+  assert exported.out_avals[0].shape == (m, n)
+
+
+# Real shapes, including M % 8 == 4 (M = 4100, 12: the a_q padding path) and M < 8.
+LOWERING_SHAPES = [(4096, 24576, 7168), (4100, 7168, 2048), (64, 7168, 2048), (12, 1536, 7168), (4, 1536, 7168)]
+
+
+@pytest.mark.parametrize("m,n,k", LOWERING_SHAPES)
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_default_config_lowers_for_cuda(m, n, k, out_dtype):
+  with _platform.abstract_h200():
+    config = gm.default_config(m, n, k, out_dtype)
+  _lower(m, n, k, config, out_dtype, with_bias=True)
+
+
+# The large-tile kinds at the pipeline depths a GPU run would use (the CPU kinds above are shallow).
+DEEP_KINDS = {
+    "ws2_m_128x128_s5": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=5),
+    "ws2_m_128x128_k2_s3": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2,
+                                            epi_tile_n=16),
+    "ws2_n_128x256_s3": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=3, wg_split=Dim.N),
+    "ws2_m_256x128_s3": MosaicGemmConfig(tile_m=256, tile_n=128, max_concurrent_steps=3),
+    "ws2_n_64x128_s7": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=7, wg_split=Dim.N),
+    "ws1_64x64_s8": MosaicGemmConfig(tile_m=64, tile_n=64, max_concurrent_steps=8, num_compute_wgs=1,
+                                     persistent=False),
+    "ws1_64x128_s8": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=1,
+                                      persistent=False),
+    "simple_128x128_s4": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, warp_specialized=False),
+    "ws2_m_128x128_s5_clusterM": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=5,
+                                                  cluster_dim=Dim.M),
+    "ws2_n_128x256_s3_clusterN": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=3, wg_split=Dim.N,
+                                                  cluster_dim=Dim.N),
+    "ws1_64x64_s8_persistent": MosaicGemmConfig(tile_m=64, tile_n=64, max_concurrent_steps=8, num_compute_wgs=1),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS) + list(DEEP_KINDS))
+def test_config_kinds_lower_for_cuda(kind):
+  config = KINDS.get(kind) or DEEP_KINDS[kind]
+  for m, n, k in LOWERING_SHAPES:
+    _lower(m, n, k, config)
+
+
+def test_heuristic_lowers_for_model_shapes():
+  for n, k in MODEL_SHAPES:
+    for m in (1, 12, 300, 4100):
+      with _platform.abstract_h200():
+        config = gm.default_config(m, n, k)
+      _lower(m, n, k, config)
+
+
+# ------------------------------------------------------------------------------------------------------ on the H200
+
+
+def _gpu_reference_f32(a_q, b_q, a_s_col, b_s, bias):
+  """f32 XLA computation of SPEC 2 on the GPU (full precision dots, one per K group): for whole-output checks."""
+  m, k = a_q.shape
+  n = b_q.shape[0]
+  groups = k // 128
+  a = a_q.astype(jnp.float32).reshape(m, groups, 128)
+  b = b_q.astype(jnp.float32).reshape(n, groups, 128)
+  b_s_cols = jnp.repeat(b_s, 128, axis=0)[:n]  # (N, G)
+
+  def body(g, acc):
+    part = jax.lax.dot_general(a[:, g], b[:, g], (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+    return acc + part * a_s_col[g, :m][:, None] * b_s_cols[:, g][None, :]
+
+  acc = jax.lax.fori_loop(0, groups, body, jnp.zeros((m, n), jnp.float32))
+  return acc if bias is None else acc + bias.astype(jnp.float32)[None, :]
+
+
+def _gpu_problem(key, m, n, k):
+  ka, kb, ks, kt, kbias = jax.random.split(key, 5)
+  a_q = jnp.clip(jax.random.normal(ka, (m, k)) * 60, -448, 448).astype(jnp.float8_e4m3fn)
+  b_q = jnp.clip(jax.random.normal(kb, (n, k)) * 60, -448, 448).astype(jnp.float8_e4m3fn)
+  a_s = 10.0 ** jax.random.uniform(ks, (k // 128, -(-m // 4) * 4), minval=-3, maxval=-1)
+  b_s = 10.0 ** jax.random.uniform(kt, (n // 128, k // 128), minval=-4, maxval=-2)
+  bias = jax.random.normal(kbias, (n,), jnp.float32)
+  return a_q, b_q, a_s.astype(jnp.float32), b_s.astype(jnp.float32), bias
+
+
+def _check_on_gpu(m, n, k, config, out_dtype, seed, with_bias=True):
+  a_q, b_q, a_s, b_s, bias = _gpu_problem(jax.random.key(seed), m, n, k)
+  bias = bias if with_bias else None
+  out = jax.jit(lambda *xs: gm.block_fp8_matmul(*xs[:4], bias=xs[4] if with_bias else None, out_dtype=out_dtype,
+                                                config=config))(a_q, b_q, a_s, b_s, bias)
+  assert out.shape == (m, n) and out.dtype == jnp.dtype(out_dtype)
+  # Whole output against an f32 computation on the GPU (catches any tile gone wrong).
+  full = _gpu_reference_f32(a_q, b_q, a_s, b_s, bias)
+  out32 = out.astype(jnp.float32)
+  assert bool(jnp.isfinite(out32).all())
+  rel = float(jnp.linalg.norm(out32 - full.astype(out_dtype).astype(jnp.float32)) / jnp.linalg.norm(full))
+  assert rel <= (2e-4 if jnp.dtype(out_dtype) == jnp.float32 else 5e-3), rel
+  # Sampled rows and column blocks (first, last, random) against the float64 oracle.
+  rng = np.random.default_rng(seed)
+  rows = np.unique(np.concatenate([[0, m - 1], rng.integers(0, m, 14)]))
+  col_blocks = np.unique(np.concatenate([[0, n // 128 - 1], rng.integers(0, n // 128, 2)]))
+  cols = (col_blocks[:, None] * 128 + np.arange(128)[None, :]).reshape(-1)
+  a_s_np = np.asarray(a_s)
+  expect = ref.block_fp8_matmul(np.asarray(a_q)[rows], np.asarray(b_q)[cols], a_s_np[:, rows],
+                                np.asarray(b_s)[col_blocks], (128, 128), a_s_column_major=True,
+                                bias=None if bias is None else np.asarray(bias)[cols])
+  got = np.asarray(out32)[np.ix_(rows, cols)]
+  tolerance = 2e-4 if jnp.dtype(out_dtype) == jnp.float32 else 5e-3
+  assert ref.relative_error(got, ref.cast_output(expect, out_dtype).astype(np.float32)) <= tolerance
+
+
+# DeepSeek-V3 (full, TP8) and Qwen3-32B weights: wide and narrow N, long and short K, K % 256 != 0 (1152 = 9 blocks).
+GPU_SHAPES = [(24576, 7168), (7168, 2048), (1536, 7168), (3072, 1536), (4096, 512), (5120, 25600), (7168, 1152)]
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 64, 200, 4096])
+def test_gpu_default_config_model_shapes(n, k, m):
+  if m * n * k > 4096 * 24576 * 7168:
+    pytest.skip("larger than the prefill benchmark shape")
+  _check_on_gpu(m, n, k, None, jnp.bfloat16, seed=m + n + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind", list(KINDS) + list(DEEP_KINDS))
+def test_gpu_config_kinds(kind):
+  config = KINDS.get(kind) or DEEP_KINDS[kind]
+  if config.grid_size is not None:  # the CPU kinds loop on 2-3 CTAs: use every SM on the GPU
+    config = dataclasses.replace(config, grid_size=None)
+  seed = zlib.crc32(kind.encode()) % 1000
+  # Partial row tiles, N not a multiple of 256, K not a multiple of 256; then a decode-like shape in f32.
+  _check_on_gpu(4096 - 36, 7168 + 128, 2048 + 128, config, jnp.bfloat16, seed=seed)
+  _check_on_gpu(36, 1536, 7168, gm._fit_smem(config, jnp.float32, 1 << 20), jnp.float32, seed=seed + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gpu_exact_small_integers():
+  m, n, k = 512, 1024, 2048
+  key = jax.random.key(7)
+  ka, kb, ks, kt = jax.random.split(key, 4)
+  a_q = jax.random.randint(ka, (m, k), -4, 5).astype(jnp.float8_e4m3fn)
+  b_q = jax.random.randint(kb, (n, k), -4, 5).astype(jnp.float8_e4m3fn)
+  a_s = (2.0 ** jax.random.randint(ks, (k // 128, m), -2, 3)).astype(jnp.float32)
+  b_s = (2.0 ** jax.random.randint(kt, (n // 128, k // 128), -2, 3)).astype(jnp.float32)
+  expect = ref.cast_output(ref.block_fp8_matmul(np.asarray(a_q), np.asarray(b_q), np.asarray(a_s), np.asarray(b_s),
+                                                (128, 128), a_s_column_major=True), np.float32)
+  for config in [None, *DEEP_KINDS.values()]:
+    config = None if config is None else gm._fit_smem(config, jnp.float32, 1 << 20)
+    out = gm.block_fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=jnp.float32, config=config)
+    np.testing.assert_array_equal(np.asarray(out), expect, err_msg=str(config))
