@@ -19,12 +19,48 @@ def _ue8m0(s: jax.Array) -> jax.Array:
 
 
 def _round_to(v: jax.Array, dtype) -> jax.Array:
-  """Round f32 values to `dtype` and back. reduce_precision, unlike a pair of converts, is never elided by XLA's
-  excess-precision simplification, so the SiLU intermediate is rounded exactly as SPEC 1 says."""
-  info = jnp.finfo(dtype)
+  """Round f32 values to `dtype` (bf16 or f16) and back, as SPEC 1's cast_to_x_dtype does.
+
+  A pair of converts is not enough: XLA's excess-precision simplification may drop it (seen on GPU). reduce_precision
+  is kept, but flushes results below the format's smallest normal to zero, so f16's subnormal range (which a SiLU of a
+  large negative input reaches) is rounded separately: adding and subtracting 0.5 rounds |v| < 2**-14 to a multiple of
+  2**-24, f16's subnormal step, with the FPU's round-to-nearest-even.
+  """
   if jnp.dtype(dtype) == jnp.float32:
     return v
-  return lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  info = jnp.finfo(dtype)
+  rounded = lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  if jnp.dtype(dtype) != jnp.float16:
+    return rounded  # bf16 shares f32's exponent range: its subnormals are f32 subnormals
+  magnitude = jnp.abs(v)
+  subnormal = jnp.copysign((magnitude + 0.5) - 0.5, v)
+  return jnp.where(magnitude < float(info.smallest_normal), subnormal, rounded)
+
+
+def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Veltkamp split of f32 a into hi + lo, each with at most 12 significant bits, so products of halves are exact."""
+  c = a * 4097.0  # 2**12 + 1
+  hi = c - (c - a)
+  return hi, a - hi
+
+
+def _divide(x: jax.Array, s: jax.Array) -> jax.Array:
+  """x / s correctly rounded, however XLA compiles division.
+
+  XLA rewrites a division by a broadcast into a multiply by the reciprocal (one fp8 step off, rarely). Here:
+  q0 = x * (1/s); the residual x - q0 * s computed exactly by Dekker's error-free product (x - p is exact by
+  Sterbenz, as p is within a factor 2 of x); one correction q0 + residual / s (Markstein). Groups whose scale is not
+  finite, or so large that the split would overflow, keep the plain quotient (x/inf = 0, NaN stays NaN).
+  """
+  r = 1.0 / s
+  q0 = x * r
+  p = q0 * s
+  q_hi, q_lo = _split(q0)
+  s_hi, s_lo = _split(s)
+  product_error = ((q_hi * s_hi - p) + q_hi * s_lo + q_lo * s_hi) + q_lo * s_lo
+  residual = (x - p) - product_error
+  corrected = q0 + residual * r
+  return jnp.where(jnp.abs(s) < 1e30, corrected, x / s)
 
 
 def per_token_group_quant(
@@ -59,7 +95,7 @@ def per_token_group_quant(
   scale = amax * R
   if scale_ue8m0:
     scale = _ue8m0(scale)
-  quotient = xg / scale[..., None]
+  quotient = _divide(xg, scale[..., None])
   q = jnp.where(jnp.isnan(quotient), quotient, jnp.clip(quotient, -FP8_MAX, FP8_MAX))
   q = q.astype(jnp.float8_e4m3fn).reshape(batch, rows_in, k)
 
