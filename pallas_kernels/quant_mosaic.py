@@ -11,12 +11,19 @@ their final layout (row-major, column-major, or UE8M0 bytes packed four groups t
 then the block is processed four groups at a time, and a word is a sum over an axis of 4).
 Written with Lane lowering semantics: every register layout is explicit.
 
-Edges: TMA zero-fills reads past the end of the input and clips writes past the end of q, so
-rows >= T and groups past K/G cost nothing. Scales have no such guard (their arrays' strides need
-not be TMA-legal), so a block is never allowed to stick out of the scale array: the last row block
-and the last group block are shifted back to end exactly at the array's edge and overlap their
-neighbour. Overlapping CTAs write bit-identical values, so the overlap is harmless. Pad rows
-(t >= valid_rows[e], and t >= T) are zeroed on the way in, and get q = 0 and scale 1.0.
+Edges: TMA loads zero-fill reads past the end of the input (per dimension), so rows >= T and groups
+past K/G cost nothing on the way in. Stores get no such guard: Mosaic GPU lowers a store whose box is
+contiguous in memory (whole rows of q, or a single row) to a linear bulk copy that is clipped only at
+the end of the whole array, so a box sticking out past the last row of an expert (or the last group
+of a row) would overwrite the next expert's (row's) first codes. Scales are stored from registers,
+with no guard at all. So no block sticks out of what it writes: row blocks [0, num_q_row_blocks)
+tile q's rows, the last one shifted back to end at out_rows; further blocks tile the scale-only
+rows [out_rows, scale_rows) (scale_cols > out_rows), the last one shifted back to end at scale_rows,
+and store no q. The last group block is shifted back to end at K/G ("col_packed": at 4 * words, past
+K/G; a one-row block's q store then leaves out the groups past K/G, a taller block's box is not
+contiguous and goes out by a tiled TMA store, which clips it per dimension). Shifted blocks overlap their neighbour; overlapping
+CTAs write bit-identical values, so the overlap is harmless. Pad rows (t >= valid_rows[e], and
+t >= T) are zeroed on the way in, and get q = 0 and scale 1.0.
 """
 
 from __future__ import annotations
@@ -166,6 +173,7 @@ class _Plan:
   block_rows: int
   groups_per_block: int
   group_extent: int  # groups covered by group blocks: K/G, or 4 * words for "col_packed"
+  num_q_row_blocks: int  # row blocks over q's rows; the rest cover scale-only rows and store no q
   num_row_blocks: int
   num_group_blocks: int
   blocks_per_cta: int
@@ -187,7 +195,9 @@ def _make_plan(x_shape, dtype, *, group_size, out_rows, scale_layout, scale_cols
   else:
     group_extent = groups
     gpb = _pow2_floor(min(config.groups_per_block, group_extent))
-  block_rows = _pow2_floor(min(config.block_rows, scale_rows))
+  # A q store must not stick out of q (see the module docstring): blocks are no taller than q.
+  block_rows = _pow2_floor(min(config.block_rows, out_rows if out_rows > 0 else scale_rows))
+  num_q_row_blocks = _ceil_div(out_rows, block_rows)
   num_group_blocks = _ceil_div(group_extent, gpb)
   blocks_per_cta = min(config.blocks_per_cta, num_group_blocks)
   itemsize = jnp.dtype(dtype).itemsize
@@ -208,7 +218,8 @@ def _make_plan(x_shape, dtype, *, group_size, out_rows, scale_layout, scale_cols
       block_rows=block_rows,
       groups_per_block=gpb,
       group_extent=group_extent,
-      num_row_blocks=_ceil_div(scale_rows, block_rows),
+      num_q_row_blocks=num_q_row_blocks,
+      num_row_blocks=num_q_row_blocks + _ceil_div(scale_rows - out_rows, block_rows),
       num_group_blocks=num_group_blocks,
       blocks_per_cta=blocks_per_cta,
       num_splits=_ceil_div(num_group_blocks, blocks_per_cta),
@@ -217,6 +228,41 @@ def _make_plan(x_shape, dtype, *, group_size, out_rows, scale_layout, scale_cols
       num_q_buffers=num_q_buffers,
       vec=vec,
   )
+
+
+def _row_block_start(plan: _Plan, row_block):
+  """First row of a row block (traced or a Python int): blocks [0, num_q_row_blocks) cover q's rows
+  [0, out_rows) and end at out_rows at the latest; the others cover [out_rows, scale_rows) and end at
+  scale_rows at the latest (they may reach back into q's rows, whose scales they then recompute)."""
+  bm, nq = plan.block_rows, plan.num_q_row_blocks
+  q_start = jnp.minimum(row_block * bm, plan.rows_out - bm)
+  scale_start = jnp.minimum(plan.rows_out + (row_block - nq) * bm, plan.scale_rows - bm)
+  if nq == 0:
+    return scale_start
+  if nq == plan.num_row_blocks:
+    return q_start
+  return jnp.where(row_block < nq, q_start, scale_start)
+
+
+def _group_block_start(plan: _Plan, split, step):
+  """First group of the `step`-th group block of a split (traced or Python ints); a split past the
+  last block repeats it, and the last block is shifted back to end at group_extent."""
+  block_idx = jnp.minimum(split * plan.blocks_per_cta + step, plan.num_group_blocks - 1)
+  return jnp.minimum(block_idx * plan.groups_per_block, plan.group_extent - plan.groups_per_block)
+
+
+def _q_store_groups(plan: _Plan) -> int:
+  """Groups a q store of a block that sticks out past K/G (only "col_packed", K/G % 4 != 0) writes.
+
+  The store of such a block leaves out its groups past K/G: only a box inside q is stored. That needs
+  a contiguous SMEM source, i.e. one row per block. Taller blocks store the whole box: that box is not
+  contiguous in GMEM (its groups do not span a row of q), and Mosaic GPU stores it with a tiled TMA
+  store, which clips it at K/G in hardware.
+  """
+  overhang = plan.group_extent - plan.groups
+  if overhang == 0 or plan.block_rows > 1:
+    return plan.groups_per_block
+  return plan.groups_per_block - overhang
 
 
 def _ue8m0_round_up(s):
@@ -412,16 +458,14 @@ def _kernel_body(
   split = lax.axis_index("split")
   row_block = lax.axis_index("row_block")
   expert = lax.axis_index("expert")
-  # The last row block is shifted back so that it ends at the scale array's edge.
-  row0 = jnp.minimum(row_block * bm, plan.scale_rows - bm)
+  row0 = _row_block_start(plan, row_block)
   rows = pl.ds(row0, bm)
   num_valid = jnp.minimum(valid_gmem[expert], plan.rows_in)
   # With no live row there is nothing to read: the block is all pad rows.
   any_live = row0 < num_valid
 
   def group_start(step):
-    block_idx = jnp.minimum(split * plan.blocks_per_cta + step, plan.num_group_blocks - 1)
-    return jnp.minimum(block_idx * gpb, plan.group_extent - gpb)
+    return _group_block_start(plan, split, step)
 
   def issue_loads(step, slot):
     g0 = group_start(step)
@@ -475,8 +519,8 @@ def _kernel_body(
         if fuse:
           plgpu.barrier_wait(up_barrier.at[slot])
 
-    # The TMA store that last read this q buffer must be done reading it. (Stores into SMEM start
-    # with a warpgroup barrier, so every thread sees this wait of the issuing thread.)
+    # The TMA store that last read this q buffer must be done reading it. (Mosaic GPU follows the
+    # issuing thread's wait with a warpgroup barrier, so no thread writes the buffer before.)
     plgpu.wait_smem_to_gmem(plan.num_q_buffers - 1, wait_read_only=True)
     for sub in range(num_sub_blocks):
       groups = pl.ds(sub * sub_groups, sub_groups)
@@ -498,10 +542,20 @@ def _kernel_body(
 
     if has_q:
       plgpu.commit_smem()
+      # At most one store (one bulk async group) per step, of a box inside q (see _q_store_groups).
+      has_q_rows = row_block < plan.num_q_row_blocks  # blocks of scale-only pad columns have no q rows
+      q_groups = _q_store_groups(plan)
+      whole_block = has_q_rows if q_groups == gpb else has_q_rows & (g0 + gpb <= plan.groups)
 
-      @pl.when(row0 < plan.rows_out)  # blocks of scale-only pad columns have no q rows
+      @pl.when(whole_block)
       def _store_q():
         plgpu.copy_smem_to_gmem(q_smem.at[q_slot], q_gmem.at[expert, rows, pl.ds(g0, gpb)])
+
+      if q_groups != gpb:
+        @pl.when(has_q_rows & (g0 + gpb > plan.groups))
+        def _store_q_real_groups():
+          plgpu.copy_smem_to_gmem(
+              q_smem.at[q_slot, :, pl.ds(0, q_groups)], q_gmem.at[expert, rows, pl.ds(g0, q_groups)])
 
     if plan.rows_in > 0:
       # Every thread has read this input slot: commit_smem and the stores above synchronize the

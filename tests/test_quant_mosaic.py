@@ -277,6 +277,57 @@ def test_no_data_races_in_the_pipeline():
   _assert_close_after_silu(q, s, q_ref, s_ref, x.dtype, packed=False, context="race test")
 
 
+def _block_boxes(plan):
+  """Every (row0, g0, q_groups) a CTA of `plan` works on, from the kernel's own index helpers; q_groups is the
+  number of groups its q store writes, 0 for blocks that store no q."""
+  for row_block in range(plan.num_row_blocks):
+    row0 = int(qm._row_block_start(plan, row_block))
+    for split in range(plan.num_splits):
+      for step in range(plan.blocks_per_cta):
+        g0 = int(qm._group_block_start(plan, split, step))
+        stores_q = plan.rows_out > 0 and row_block < plan.num_q_row_blocks
+        whole = g0 + plan.groups_per_block <= plan.groups
+        yield row0, g0, (plan.groups_per_block if whole else qm._q_store_groups(plan)) if stores_q else 0
+
+
+@pytest.mark.parametrize("layout", qm.SCALE_LAYOUTS)
+def test_no_store_sticks_out_of_its_array(layout):
+  """Mosaic GPU stores a contiguous q box (whole rows, or one row) with a linear bulk copy that is clipped only at
+  the end of the whole array: a box sticking out past an expert's last row or a row's last group overwrites the next
+  expert's or row's first codes on the GPU (interpret mode clips per dimension and cannot see it; this failed on the
+  H200 for out_rows=24, scale_cols=28, 8-row blocks, and for one-row "col_packed" blocks with K/G % 4 != 0).
+  So: q boxes lie inside q (only taller blocks, which Mosaic stores with a tiled TMA store that clips, may stick
+  out past K/G), scale boxes inside the scale array, and together they cover both arrays."""
+  checked = 0
+  for groups in (1, 2, 3, 5, 6, 7, 8, 13):
+    for rows_in, out_rows, extra_scale_cols in ((1, 1, 0), (1, 4, 0), (3, 4, 0), (21, 24, 4), (13, 16, 2), (5, 8, 5),
+                                                (17, 17, 0), (9, 12, 7), (0, 0, 4), (2, 3, 1)):
+      scale_cols = out_rows + (0 if layout == "row" else extra_scale_cols)
+      if layout == "row" and out_rows == 0:
+        continue
+      for block_rows in (1, 2, 4, 8, 16):
+        for groups_per_block, blocks_per_cta in ((1, 1), (2, 1), (4, 1), (4, 2), (8, 1), (2, 3), (1, 7)):
+          plan = qm._make_plan(
+              (1, rows_in, groups * 16), jnp.bfloat16, group_size=16, out_rows=out_rows, scale_layout=layout,
+              scale_cols=scale_cols, fuse=False,
+              config=Config(block_rows=block_rows, groups_per_block=groups_per_block, blocks_per_cta=blocks_per_cta))
+          bm, gpb = plan.block_rows, plan.groups_per_block
+          q_written = np.zeros((out_rows, groups), bool)
+          s_written = np.zeros((plan.scale_rows, plan.group_extent), bool)
+          for row0, g0, q_groups in _block_boxes(plan):
+            context = f"{layout} T={rows_in} out_rows={out_rows} scale_cols={scale_cols} groups={groups} {plan}"
+            assert 0 <= row0 and row0 + bm <= plan.scale_rows, context
+            assert 0 <= g0 and g0 + gpb <= plan.group_extent, context
+            s_written[row0:row0 + bm, g0:g0 + gpb] = True
+            if q_groups:
+              assert row0 + bm <= out_rows, f"q rows [{row0}, {row0 + bm}) stick out: {context}"
+              assert g0 + q_groups <= groups or bm > 1, f"q groups [{g0}, {g0 + q_groups}) stick out: {context}"
+              q_written[row0:row0 + bm, g0:g0 + q_groups] = True
+            checked += 1
+          assert q_written.all() and s_written.all(), context
+  assert checked > 1000
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(group_size=40), "group_size must be a multiple of 16"),
     (dict(group_size=512, k=1024), "group_size must be a multiple of 16"),
@@ -316,7 +367,8 @@ LOWERING_CASES = [
     (1, 1, 7168, 128, "bf16", "col_packed", False, 1, 1, None),  # one-element scale stores
     (2, 1, 256, 256, "f32", "row", False, 1, 1, None),
     (1, 1, 144, 48, "bf16", "row", True, 1, 1, None),  # blocks under 128 bytes
-    (3, 1, 32, 16, "bf16", "col_packed", False, 1, 1, None),
+    (3, 1, 32, 16, "bf16", "col_packed", False, 1, 1, None),  # one-row q stores that leave out groups past K/G
+    (4, 21, 256, 128, "bf16", "col", False, 24, 28, Config(block_rows=8, groups_per_block=2)),  # scale-only blocks
     (1, 64, 7168, 128, "bf16", "col", False, 64, 64, None),
     (1, 4097, 18432, 128, "bf16", "col_packed", False, 4100, 4100, None),
     (1, 13, 18432, 128, "f32", "row", False, 16, 16, None),
