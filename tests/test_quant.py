@@ -135,15 +135,17 @@ def test_nan_and_inf_rows(implementation, rng):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_codes_are_exact_on_wide_data(implementation, rng):
-  """The division is correctly rounded (SPEC 1 allows one step on 1e-4 of the codes; we hold to zero): the XLA code
-  corrects XLA's reciprocal rewrite, the Triton kernel corrects its reciprocal multiply by FMA, Mosaic divides."""
+  """SPEC 1 allows one step on 1e-4 of the codes where a backend's division is approximate. The XLA code corrects
+  XLA's reciprocal rewrite and the Triton kernel its reciprocal multiply (FMA residual), so both are held to zero.
+  The Mosaic kernel's f32 division is not correctly rounded on the H200 (1 code of 1M one step off, 2026-11-29),
+  so it is held to the SPEC's bound until it gets the same correction."""
   _runnable(implementation)
   if implementation != "xla" and not ON_GPU:
     pytest.skip("interpret mode divides through XLA on CPU, which rewrites x / s into x * (1 / s)")
   x = (rng.standard_normal((512, 2048)) * np.exp2(rng.integers(-30, 30, (512, 1)))).astype(np.float32)
   q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, implementation=implementation)
   ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128)
-  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=True, context=implementation)
+  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=implementation != "mosaic", context=implementation)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -181,6 +183,23 @@ def test_default_implementation_on_cpu_is_xla():
     pytest.skip("CPU dispatch")
   from jaxfp8.quant import resolve_implementation
   assert resolve_implementation(None, interpret=True) == "xla"
+
+
+def test_default_implementation_by_device_and_size(monkeypatch):
+  from jaxfp8 import quant
+  monkeypatch.setattr(_platform, "is_hopper", lambda: True)
+  monkeypatch.setattr(_platform, "has_fp8_gpu", lambda: True)
+  assert quant.resolve_implementation(None, False, num_elements=64 * 7168) == "triton"
+  assert quant.resolve_implementation(None, False, num_elements=4096 * 7168) == "mosaic"
+  assert quant.resolve_implementation(None, False) == "mosaic"
+  monkeypatch.setattr(_platform, "is_hopper", lambda: False)
+  assert quant.resolve_implementation(None, False, num_elements=4096 * 7168) == "triton"
+  monkeypatch.setattr(_platform, "has_fp8_gpu", lambda: False)
+  assert quant.resolve_implementation(None, False) == "xla"
+  # An explicit implementation is honoured where it can run, refused where it cannot.
+  assert quant.resolve_implementation("mosaic", True) == "mosaic"
+  with pytest.raises(ValueError, match="implementation='triton'"):
+    quant.resolve_implementation("triton", False)
 
 
 # ---- errors: each names the argument and the value -------------------------------------------------------------
