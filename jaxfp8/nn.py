@@ -1,0 +1,198 @@
+"""Flax NNX layers (optional extra `jaxfp8[nn]`): `Fp8Linear`, a block-FP8 drop-in for `nnx.Linear` at inference.
+
+    layer = Fp8Linear.from_linear(nnx.Linear(7168, 1536, rngs=nnx.Rngs(0)))      # quantize a float layer
+    layer = Fp8Linear.from_weights(w_q, w_s, bias, block_size=(128, 128))         # or take checkpoint tensors
+    y = layer(x)                                   # x (..., 7168) bf16 -> (..., 1536) bf16, eager or under nnx.jit
+    quantize_linears(model)                        # every nnx.Linear of a model, in place
+
+The layer holds w_q (N, K) float8_e4m3fn and w_s (ceil(N/gn), ceil(K/gk)) float32 as `Fp8Weight` variables (not
+`nnx.Param`: an optimizer over nnx.Param leaves them alone; `nnx.state(model, Fp8Weight)` selects them) and the bias
+as an `nnx.Param`. Mind the layouts: `nnx.Linear.kernel` is (K, N) (in, out); the FP8 weight is (N, K), the Hugging
+Face `weight` layout, so conversion transposes once. With `parallel="column"` or `"row"` and a mesh, the layer runs
+`jaxfp8.linear.column_parallel_linear` / `row_parallel_linear`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+try:
+  from flax import nnx
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+  raise ImportError("jaxfp8.nn needs Flax: pip install 'jaxfp8[nn]' (or pip install flax)") from e
+
+from jaxfp8 import gemm, linear, weights
+from jaxfp8.weights import Fp8LinearWeight
+
+DEFAULT_BLOCK_SIZE = weights.DEFAULT_BLOCK_SIZE
+
+
+class Fp8Weight(nnx.Variable):
+  """Block-FP8 weight codes or scales: frozen at inference, so not an `nnx.Param`."""
+
+
+class Fp8Linear(nnx.Module):
+  """y = x @ dequantize(w_q, w_s)^T + bias with FP8 activations (quantized per call) and block-FP8 weights.
+
+  Args:
+    in_features, out_features: K and N; K must be a multiple of block_size[1] (the activations' group size).
+    use_bias: whether the layer has a bias.
+    block_size: (gn, gk) of the weight scales.
+    dtype: if set, x is cast to it first (the output has x's dtype after that cast), like nnx.Linear's dtype.
+    param_dtype: dtype of the float kernel drawn by kernel_init and of the bias.
+    implementation, quant_implementation, interpret: as in `jaxfp8.w8a8_block_fp8_linear`.
+    parallel: None, "column" (N split over mesh axis `axis_name`) or "row" (K split, outputs summed).
+    mesh, axis_name: the mesh and its tensor-parallel axis, for `parallel`.
+    kernel_init, bias_init: initializers of a fresh layer (kernel drawn as (K, N) float, then quantized).
+    rngs: random streams for a fresh layer; None makes placeholder weights (zeros, unit scales) to load into.
+    weight: an Fp8LinearWeight to hold instead of initializing one (`from_weights` / `from_linear` use it).
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      use_bias: bool = True,
+      block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      implementation: str | None = None,
+      quant_implementation: str | None = None,
+      interpret: bool | None = None,
+      parallel: str | None = None,
+      mesh: jax.sharding.Mesh | None = None,
+      axis_name: str | None = None,
+      kernel_init: Callable = nnx.initializers.lecun_normal(),
+      bias_init: Callable = nnx.initializers.zeros_init(),
+      rngs: nnx.Rngs | None = None,
+      weight: Fp8LinearWeight | None = None,
+  ):
+    gn, gk = gemm._check_block_size(block_size)
+    if in_features % gk:
+      raise ValueError(f"in_features={in_features} must be a multiple of block_size[1]={gk}: activations are "
+                       "quantized in groups of gk")
+    if parallel not in (None, *linear.PARALLEL_MODES):
+      raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
+    if parallel is not None and (mesh is None or axis_name is None):
+      raise ValueError(f"parallel={parallel!r} needs a mesh and the axis_name to split over")
+    self.in_features = in_features
+    self.out_features = out_features
+    self.block_size = (gn, gk)
+    self.dtype = dtype
+    self.implementation = implementation
+    self.quant_implementation = quant_implementation
+    self.interpret = interpret
+    self.parallel = parallel
+    self.mesh = mesh
+    self.axis_name = axis_name
+    scale_shape = (-(-out_features // gn), -(-in_features // gk))
+    if weight is not None:
+      if weight.shape != (out_features, in_features) or tuple(weight.block_size) != (gn, gk):
+        raise ValueError(f"weight has shape {weight.shape} and block_size {weight.block_size}; the layer needs "
+                         f"({out_features}, {in_features}) and {(gn, gk)}")
+      w_q, w_s, bias = weight.w_q, weight.w_s, weight.bias
+      if use_bias and bias is None:
+        bias = jnp.zeros((out_features,), param_dtype)
+    elif rngs is None:
+      w_q = jnp.zeros((out_features, in_features), jnp.float8_e4m3fn)
+      w_s = jnp.ones(scale_shape, jnp.float32)
+      bias = jnp.zeros((out_features,), param_dtype) if use_bias else None
+    else:
+      kernel = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+      w_q, w_s = weights.quantize_weight_blockwise(kernel.T, (gn, gk))
+      bias = bias_init(rngs.params(), (out_features,), param_dtype) if use_bias else None
+    self.w_q = Fp8Weight(w_q)
+    self.w_s = Fp8Weight(w_s)
+    self.bias = nnx.Param(bias) if use_bias else None
+
+  @classmethod
+  def from_weights(cls, w_q, w_s, bias=None, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                   **options) -> Fp8Linear:
+    """A layer holding checkpoint tensors: w_q (N, K) e4m3fn (`weight`), w_s float32 (`weight_scale_inv`), and an
+    optional (N,) bias of any float dtype (kept in float32)."""
+    gemm._check_array("w_q", w_q, (gemm.FP8,))
+    gemm._check_array("w_s", w_s, (jnp.dtype(jnp.float32),))
+    weights._check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), gemm._check_block_size(block_size), "w_s")
+    # The bias is kept in float32, the precision the GEMM adds it in: a bf16 bias would cost a convert kernel per call.
+    bias = None if bias is None else jnp.asarray(bias).astype(jnp.float32)
+    weight = Fp8LinearWeight(jnp.asarray(w_q), jnp.asarray(w_s), bias, tuple(block_size))
+    n, k = w_q.shape
+    return cls(k, n, use_bias=bias is not None, block_size=block_size, weight=weight, **options)
+
+  @classmethod
+  def from_fp8_weight(cls, weight: Fp8LinearWeight, **options) -> Fp8Linear:
+    """A layer holding an `Fp8LinearWeight` (e.g. from `jaxfp8.weights.load_hf_fp8_linears`)."""
+    return cls.from_weights(weight.w_q, weight.w_s, weight.bias, block_size=weight.block_size, **options)
+
+  @classmethod
+  def from_linear(cls, layer: nnx.Linear, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                  **options) -> Fp8Linear:
+    """Quantizes an `nnx.Linear`: its (K, N) kernel becomes the (N, K) w_q and its block scales; the bias is kept.
+    The new layer keeps the old one's `dtype` unless `dtype` is given."""
+    if not isinstance(layer, nnx.Linear):
+      raise TypeError(f"layer must be an nnx.Linear, got {type(layer).__name__}")
+    kernel = layer.kernel[...]
+    w_q, w_s = weights.quantize_weight_blockwise(kernel.T, block_size)
+    bias = None if layer.bias is None else layer.bias[...]
+    options.setdefault("dtype", layer.dtype)
+    return cls.from_weights(w_q, w_s, bias, block_size=block_size, **options)
+
+  def fp8_weight(self) -> Fp8LinearWeight:
+    """The layer's weight as an `Fp8LinearWeight` (for saving with `jaxfp8.weights.save_hf_fp8_linears`)."""
+    bias = None if self.bias is None else self.bias[...]
+    return Fp8LinearWeight(self.w_q[...], self.w_s[...], bias, self.block_size)
+
+  def dequantized_kernel(self, dtype=jnp.float32) -> jax.Array:
+    """The (K, N) float kernel nnx.Linear would hold: dequantize(w_q, w_s)^T."""
+    return weights.dequantize_weight_blockwise(self.w_q[...], self.w_s[...], self.block_size, dtype=dtype).T
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if self.dtype is not None:
+      x = jnp.asarray(x).astype(self.dtype)
+    args = (x, self.w_q[...], self.w_s[...], self.block_size, None if self.bias is None else self.bias[...])
+    options = dict(implementation=self.implementation, quant_implementation=self.quant_implementation,
+                   interpret=self.interpret)
+    if self.parallel == "column":
+      return linear.column_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
+    if self.parallel == "row":
+      return linear.row_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
+    return linear.w8a8_block_fp8_linear(*args, **options)
+
+
+def quantize_linears(
+    module: nnx.Module,
+    *,
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    predicate: Callable[[tuple, nnx.Linear], bool] | None = None,
+    **options,
+) -> list[tuple]:
+  """Replaces, in place, every `nnx.Linear` inside `module` with `Fp8Linear.from_linear` of it.
+
+  predicate(path, layer) picks the layers (default: those whose in_features is a multiple of block_size[1]; others,
+  such as a small router, stay in float). Returns the paths of the replaced layers. `options` go to Fp8Linear.
+  """
+  gn, gk = gemm._check_block_size(block_size)
+  if predicate is None:
+    predicate = lambda path, layer: layer.in_features % gk == 0
+  targets = [(path, sub) for path, sub in nnx.iter_modules(module)
+             if isinstance(sub, nnx.Linear) and predicate(path, sub)]
+  for path, sub in targets:
+    if not path:
+      raise ValueError("module is itself an nnx.Linear: use Fp8Linear.from_linear(module)")
+    parent = module
+    for key in path[:-1]:
+      parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+    new = Fp8Linear.from_linear(sub, block_size=(gn, gk), **options)
+    if isinstance(path[-1], int):
+      parent[path[-1]] = new
+    else:
+      setattr(parent, path[-1], new)
+  return [path for path, _ in targets]
+
+
+__all__ = ["Fp8Linear", "Fp8Weight", "quantize_linears"]
