@@ -50,7 +50,12 @@ def block_fp8_matmul_xla(
   gn, gk = block_size
   a_f32 = _dequantize(a_q, _row_major_a_scales(a_s, m, a_s_column_major), 1, gk, jnp.float32)
   b_f32 = _dequantize(b_q, b_s, gn, gk, jnp.float32)
-  acc = _contract_k(a_f32, b_f32, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  if m == 1:
+    # XLA's CPU dot takes a matrix-vector path for one row, whose f32 summation order differs from the matrix path:
+    # a second (zero) row keeps a row's result independent of how many rows share the call (SPEC 3: padded and
+    # unpadded calls agree bit for bit).
+    a_f32 = jnp.concatenate([a_f32, jnp.zeros_like(a_f32)], axis=0)
+  acc = _contract_k(a_f32, b_f32, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)[:m]
   if bias is not None:
     acc = acc + bias.astype(jnp.float32)[None, :]
   return acc.astype(out_dtype)
