@@ -15,6 +15,6 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider
 
-# On the GPU machine (through the device tool): GPU tests, then the benchmarks.
+# On the GPU machine (through the device tool): GPU tests, then the benchmarks, phase by phase (see the script).
 gpu-round:
 	scripts/gpu_round.sh all

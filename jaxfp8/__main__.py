@@ -4,6 +4,7 @@
                                 # that runs here, check each against the float64 reference, print a table
   python -m jaxfp8 bench_quant  # GPU: CUPTI timing of the quantizers (writes --out JSON and a markdown table)
   python -m jaxfp8 bench_gemm   # GPU: CUPTI timing of the block GEMMs and their baselines (--help for its flags)
+  python -m jaxfp8 bench_linear # GPU: CUPTI timing of the linear vs the GEMM alone and the bf16 baselines
   python -m jaxfp8 tune         # GPU: sweep Triton GEMM configs and write the shipped table (--help for its flags)
 """
 
@@ -105,7 +106,7 @@ def main(argv):
 
 
 # Commands with their own argument parsers (argparse): everything after the command name is theirs.
-DELEGATED = {"bench_gemm": "jaxfp8.bench_gemm", "tune": "jaxfp8.tune"}
+DELEGATED = {"bench_gemm": "jaxfp8.bench_gemm", "bench_linear": "jaxfp8.bench_linear", "tune": "jaxfp8.tune"}
 
 
 if __name__ == "__main__":

@@ -1,23 +1,46 @@
 #!/usr/bin/env bash
-# The standard GPU round, one device call: the test suite on the GPU, then the benchmarks.
-#   scripts/gpu_round.sh [all|tests|bench] [extra pytest args...]
-# Logs and results go to $OUT (the device tool brings them back) or ./gpu_out when $OUT is unset.
-# On the H200 machine the image's python3 already has jax 0.11.2 (CUDA 13 plugin), pytest and hypothesis;
-# the project runs from the working tree through PYTHONPATH.
+# The standard GPU round. One device call can hold about 10 minutes, so the round is split into phases:
+#   scripts/gpu_round.sh PHASE [PHASE ...]        e.g.  scripts/gpu_round.sh tests-quant bench-quant
+# Phases (rough H200 wall times measured 2026-11-29):
+#   tests-quant   tests/test_quant.py + tests/test_quant_mosaic.py natively (~4-5 min)
+#   tests-gemm    GPU-marked GEMM tests, Triton and Mosaic (> 4 min)
+#   tests-linear  linear, weights, nn, sharding tests
+#   bench-quant   python -m jaxfp8 bench_quant (~2 min)
+#   bench-gemm    python -m jaxfp8 bench_gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set BENCH_GEMM_ARGS)
+#   bench-linear  python -m jaxfp8 bench_linear
+#   all           every phase above, in order (needs several device calls' worth of time: use phases)
+# Logs, JUnit XML and JSON results go to $OUT (the device tool brings them back; ./gpu_out when unset).
+# Each phase runs under `timeout` (PHASE_TIMEOUT seconds, default 540) so that a slow phase still leaves its log.
+# The H200 image's python3 has jax 0.11.2, pytest and hypothesis; the project runs from the tree via PYTHONPATH.
 set -u -o pipefail
-phase=${1:-all}; shift || true
 out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+limit=${PHASE_TIMEOUT:-540}
 status=0
-{
-  date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+run() {  # run NAME COMMAND...: log to $out/NAME.log, keep going on failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1 || { echo "=== $name exited $?"; status=1; }
+  tail -n 15 "$out/$name.log"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
-} 2>&1 | tee "$out/env.log"
-if [[ $phase == all || $phase == tests ]]; then
-  python3 -m pytest tests -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" "$@" 2>&1 | tee "$out/tests.log" \
-    || status=1
-fi
-if [[ $phase == all || $phase == bench ]]; then
-  python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" 2>&1 | tee "$out/bench_quant.log" || status=1
-fi
+} > "$out/env.log" 2>&1
+pytest_args=(-q -rs -p no:cacheprovider)
+phases=("$@"); [[ ${#phases[@]} -eq 0 || ${phases[0]} == all ]] && \
+  phases=(tests-quant tests-gemm tests-linear bench-quant bench-gemm bench-linear)
+for phase in "${phases[@]}"; do
+  case $phase in
+    tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \
+                   --junitxml="$out/tests_quant.junit.xml" ;;
+    tests-gemm) run tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
+                  "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" ;;
+    tests-linear) run tests_linear python3 -m pytest tests/test_linear.py tests/test_weights.py tests/test_nn.py \
+                    tests/test_sharding.py "${pytest_args[@]}" --junitxml="$out/tests_linear.junit.xml" ;;
+    bench-quant) run bench_quant python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" ;;
+    bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
+    bench-linear) run bench_linear python3 -m jaxfp8.bench_linear --out="$out/linear_h200.json" ;;
+    *) echo "unknown phase $phase"; status=2 ;;
+  esac
+done
 exit $status
