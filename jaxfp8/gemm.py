@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import _platform, gemm_configs, gemm_xla
+from jaxfp8 import _platform, gemm_configs, gemm_xla, quant
 from pallas_kernels.gemm_triton import TritonGemmConfig, check_config
 from pallas_kernels import gemm_triton
 
@@ -191,7 +191,8 @@ def w8a8_block_fp8_matmul(
   _check_array("b_s", b_s, (jnp.dtype(jnp.float32),))
   gn, gk = _check_block_size(block_size)
   block_size = (gn, gk)
-  a_s_column_major = bool(a_s_column_major)
+  a_s_column_major = quant.check_flag("a_s_column_major", a_s_column_major)
+  interpret = quant.check_interpret(interpret)
   out_dtype = _check_out_dtype(out_dtype)
   m, k = a_q.shape
   n, k_b = b_q.shape
@@ -233,6 +234,10 @@ def w8a8_block_fp8_matmul(
     elif not isinstance(config, TritonGemmConfig):
       raise TypeError(f"config for implementation='triton' must be a TritonGemmConfig, got {type(config).__name__}")
     check_config(config, block_size)
+  if implementation == "mosaic" and config is not None:
+    expected = importlib.import_module(_MOSAIC_MODULE).MosaicGemmConfig
+    if not isinstance(config, expected):
+      raise TypeError(f"config for implementation='mosaic' must be a MosaicGemmConfig, got {type(config).__name__}")
 
   return _matmul(
       a_q, b_q, a_s, b_s, bias, block_size=block_size, a_s_column_major=a_s_column_major, out_dtype=out_dtype,

@@ -276,6 +276,9 @@ class _Options:
   config: Any = None
   interpret: bool | None = None
 
+  def __post_init__(self):
+    object.__setattr__(self, "interpret", quant.check_interpret(self.interpret))
+
 
 def _plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, options: _Options) -> LinearPlan:
   interpret = gemm._resolve_interpret(options.interpret)

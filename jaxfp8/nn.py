@@ -14,6 +14,7 @@ Face `weight` layout, so conversion transposes once. With `parallel="column"` or
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
   raise ImportError("jaxfp8.nn needs Flax: pip install 'jaxfp8[nn]' (or pip install flax)") from e
 
-from jaxfp8 import gemm, linear, weights
+from jaxfp8 import gemm, linear, quant, weights
 from jaxfp8.weights import Fp8LinearWeight
 
 DEFAULT_BLOCK_SIZE = weights.DEFAULT_BLOCK_SIZE
@@ -73,6 +74,15 @@ class Fp8Linear(nnx.Module):
       weight: Fp8LinearWeight | None = None,
   ):
     gn, gk = gemm._check_block_size(block_size)
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    for name, value, allowed in (("implementation", implementation, linear.IMPLEMENTATIONS),
+                                 ("quant_implementation", quant_implementation, quant.IMPLEMENTATIONS)):
+      if value is not None and value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed} or None, got {value!r}")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+      raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if in_features % gk:
       raise ValueError(f"in_features={in_features} must be a multiple of block_size[1]={gk}: activations are "
                        "quantized in groups of gk")
@@ -120,6 +130,8 @@ class Fp8Linear(nnx.Module):
     weights._check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), gemm._check_block_size(block_size), "w_s")
     # The bias is kept in float32, the precision the GEMM adds it in: a bf16 bias would cost a convert kernel per call.
     bias = None if bias is None else jnp.asarray(bias).astype(jnp.float32)
+    if bias is not None and tuple(bias.shape) != (w_q.shape[0],):
+      raise ValueError(f"bias must have shape (N,) = ({w_q.shape[0]},), got {tuple(bias.shape)}")
     weight = Fp8LinearWeight(jnp.asarray(w_q), jnp.asarray(w_s), bias, tuple(block_size))
     n, k = w_q.shape
     return cls(k, n, use_bias=bias is not None, block_size=block_size, weight=weight, **options)

@@ -78,6 +78,36 @@ def resolve_implementation(implementation: str | None, interpret: bool, num_elem
   return implementation
 
 
+_CONFIG_CLASSES = {
+    "mosaic": ("pallas_kernels.quant_mosaic", "QuantMosaicConfig"),
+    "triton": ("pallas_kernels.quant_triton", "QuantTritonConfig"),
+}
+
+
+def check_flag(name: str, value) -> bool:
+  """A boolean option: a bool (or NumPy bool), never a truthy string or number that would silently switch it on."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+  return bool(value)
+
+
+def check_interpret(interpret) -> bool | None:
+  if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
+    raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
+  return None if interpret is None else bool(interpret)
+
+
+def _check_config(implementation: str, config) -> None:
+  if config is None:
+    return
+  if implementation == "xla":
+    raise ValueError(f"config applies to the 'triton' and 'mosaic' quantizers, not 'xla'; got config={config!r}")
+  module, name = _CONFIG_CLASSES[implementation]
+  expected = getattr(importlib.import_module(module), name)
+  if not isinstance(config, expected):
+    raise TypeError(f"config for implementation={implementation!r} must be a {name}, got {type(config).__name__}")
+
+
 def _validate_x(x) -> jax.Array:
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     raise TypeError(f"x must be an array, got {type(x).__name__}")
@@ -125,6 +155,11 @@ def per_token_group_quant_fp8(
     (q, s): q (M_pad, K) e4m3fn ((E, T_pad, K) with masked_m) and the scales in the asked layout (SPEC.md section 1).
   """
   x = _validate_x(x)
+  column_major_scales, scale_tma_aligned, scale_ue8m0, pack_ue8m0, fuse_silu_and_mul = (
+      check_flag(name, value) for name, value in (
+          ("column_major_scales", column_major_scales), ("scale_tma_aligned", scale_tma_aligned),
+          ("scale_ue8m0", scale_ue8m0), ("pack_ue8m0", pack_ue8m0), ("fuse_silu_and_mul", fuse_silu_and_mul)))
+  interpret = check_interpret(interpret)
   group_size = _check_positive_int("group_size", group_size)
   row_alignment = _check_positive_int("row_alignment", row_alignment)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (eps > 0 and math.isfinite(eps)):
@@ -152,7 +187,12 @@ def per_token_group_quant_fp8(
     x3 = x
 
   interpret = _platform.resolve_interpret(interpret)
+  if implementation is None and config is not None:
+    # A kernel config names its kernel: honour it rather than a size-based default it does not fit.
+    implementation = next((name for name, (module, cls) in _CONFIG_CLASSES.items()
+                           if type(config).__name__ == cls and type(config).__module__ == module), None)
   implementation = resolve_implementation(implementation, interpret, num_elements=x3.shape[0] * x3.shape[1] * k)
+  _check_config(implementation, config)
   scale_layout = "col_packed" if pack_ue8m0 else ("col" if column_major_scales else "row")
   q, s = _quantize(
       x3, masked_m, group_size=group_size, eps=float(eps), row_alignment=row_alignment, scale_layout=scale_layout,

@@ -201,7 +201,7 @@ def w8a8_block_fp8_linear(x, w_q, w_s, block_size, bias=None, *, eps: float = 1e
     raise ValueError(f"K={k} is not a multiple of block_size[1]={gk}")
   q, s = per_token_group_quant_fp8(x2, gk, eps=eps)
   c = block_fp8_matmul(q, w_q, s, w_s, block_size, bias=bias)
-  return c.reshape(*lead, -1)
+  return c.reshape(*lead, np.asarray(w_q).shape[0])  # explicit N: with zero rows, -1 cannot be inferred
 
 
 def relative_error(out, ref) -> float:

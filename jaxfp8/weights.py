@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import numbers
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -92,7 +93,7 @@ def quantize_weight_blockwise(w, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZ
   """
   _check_weight(w)
   gn, gk = gemm._check_block_size(block_size)
-  if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < float("inf")):
+  if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 < eps < float("inf")):
     raise ValueError(f"eps must be a positive finite number, got {eps!r}")
   return _quantize_weight(jnp.asarray(w), block_size=(gn, gk), eps=float(eps))
 
@@ -124,7 +125,13 @@ def dequantize_weight_blockwise(w_q, w_s, block_size: tuple[int, int] = DEFAULT_
   gemm._check_array("w_s", w_s, (jnp.dtype(jnp.float32),))
   gn, gk = gemm._check_block_size(block_size)
   _check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), (gn, gk), "w_s")
-  return _dequantize_weight(jnp.asarray(w_q), jnp.asarray(w_s), block_size=(gn, gk), dtype=jnp.dtype(dtype))
+  try:
+    out_dtype = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"dtype must be a floating dtype (bfloat16, float16 or float32), got {dtype!r}") from None
+  if out_dtype not in WEIGHT_DTYPES:
+    raise ValueError(f"dtype must be bfloat16, float16 or float32, got {out_dtype}")
+  return _dequantize_weight(jnp.asarray(w_q), jnp.asarray(w_s), block_size=(gn, gk), dtype=out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "dtype"))
@@ -180,6 +187,11 @@ def checkpoint_files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> l
     else:
       files = [path]
   else:
+    if isinstance(path, bytes) or not isinstance(path, Sequence) or not all(
+        isinstance(p, (str, os.PathLike)) for p in path):
+      raise TypeError(f"path must be a file or directory path or a list of file paths, got {path!r}")
+    if not path:
+      raise ValueError("path is an empty list of checkpoint files")
     files = [Path(p) for p in path]
   for f in files:
     if not f.is_file():
@@ -269,6 +281,9 @@ def load_hf_fp8_linears(
     ValueError: an fp8 weight without `weight_scale_inv` (e.g. a per-tensor FP8 checkpoint), or scales whose shape
       does not fit the block size.
   """
+  if select is not None and not callable(select) and (isinstance(select, (str, bytes)) or not isinstance(
+      select, Iterable)):
+    raise TypeError(f"select must be None, a predicate or a collection of prefixes, got {select!r}")
   safetensors, _ = _safetensors()
   files = checkpoint_files(path)
   if block_size is None:

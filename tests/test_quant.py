@@ -202,6 +202,16 @@ def test_default_implementation_by_device_and_size(monkeypatch):
     quant.resolve_implementation("triton", False)
 
 
+def test_config_selects_its_kernel(rng, monkeypatch):
+  from pallas_kernels.quant_triton import QuantTritonConfig
+  monkeypatch.setattr(_platform, "is_hopper", lambda: True)  # the size-based default would pick Mosaic here
+  monkeypatch.setattr(_platform, "has_fp8_gpu", lambda: True)
+  x = random_activations(rng, (1024, 1024), INPUT_DTYPES["bf16"])
+  q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, config=QuantTritonConfig(block_rows=8), interpret=True)
+  ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128)
+  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=False, context="triton config")
+
+
 # ---- errors: each names the argument and the value -------------------------------------------------------------
 
 ERROR_CASES = [
