@@ -2,6 +2,11 @@
 
   python -m jaxfp8              # the main job: quantize real-model-sized activations with every implementation
                                 # that runs here, check each against the float64 reference, print a table
+  python -m jaxfp8 bench        # every GEMM/linear/quantizer implementation and baseline in one run: progress, a
+                                # table (us, TFLOP/s, GB/s, % of roofline, speedup over the best baseline), --out JSON
+                                # (GPU: CUPTI kernel times; CPU: wall clock on small shapes, says nothing of GPU speed)
+  python -m jaxfp8 plot --json=benchmarks/quant_h200.json --out=benchmarks/quant_h200.png
+                                # plot a results JSON (bench, bench_gemm or bench_quant): TFLOP/s or GB/s against M
   python -m jaxfp8 bench_quant  # GPU: CUPTI timing of the quantizers (writes --out JSON and a markdown table)
   python -m jaxfp8 bench_gemm   # GPU: CUPTI timing of the block GEMMs and their baselines (--help for its flags)
   python -m jaxfp8 bench_linear # GPU: CUPTI timing of the linear vs the GEMM alone and the bf16 baselines
@@ -20,6 +25,18 @@ flags.DEFINE_list("m", None, "Row counts M (default: depends on the command).")
 flags.DEFINE_list("k", None, "Widths K (default: depends on the command).")
 flags.DEFINE_string("out", None, "Where to write JSON results (a .md table is written beside it).")
 flags.DEFINE_integer("seed", None, "Random seed (default: fresh).")
+# bench
+flags.DEFINE_list("ops", ["gemm", "linear", "quant"], "bench: which ops to time (gemm, linear, quant).")
+flags.DEFINE_list("models", None, "bench: shapes.json model keys whose weight shapes to run ('all' for every model).")
+flags.DEFINE_string("shapes", None, "bench: 'N,K;N,K' weight shapes (with --m), or 'M,N,K;...' problems.")
+flags.DEFINE_string("shapes_json", None, "bench: take --models from this shapes.json instead of the shipped one.")
+flags.DEFINE_list("block_size", ["128", "128"], "bench: quantization block (gn, gk).")
+flags.DEFINE_integer("iterations", None, "bench: timed calls per measurement (default 30 on GPU, 5 on CPU).")
+flags.DEFINE_float("peak_tflops", None, "bench: compute peak for the roofline (default: 1979 on an H200, FP8 dense).")
+flags.DEFINE_float("time_budget_s", None, "bench: stop starting new shapes after this many seconds (JSON marks it).")
+# plot
+flags.DEFINE_string("json", None, "plot: the results JSON to plot.")
+flags.DEFINE_list("plot_shapes", None, "plot: shape names (or K=... for quantization) to plot (default: two).")
 
 # Activation shapes of DeepSeek-V3 layers (K = input features of q_a/kv_a/gate_up, o_proj, dense_down, shared_down).
 CHECK_CASES = ((1, 7168), (64, 7168), (13, 2048), (5, 18432), (128, 1536))
@@ -93,13 +110,31 @@ def bench_quant() -> None:
   print(table)
 
 
-COMMANDS = {"check": check, "bench_quant": bench_quant}
+def bench() -> None:
+  import os
+  import sys
+  # JAX and torch may share the GPU: JAX must not take 75% of it up front (only effective before JAX starts).
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  from jaxfp8 import bench as bench_module
+  bench_module.main_from_flags(FLAGS, sys.argv)
+
+
+def plot() -> None:
+  from jaxfp8 import plot as plot_module
+  if not FLAGS.json:
+    raise app.UsageError("plot needs --json=RESULTS.json (and --out=PLOT.png; default: beside the JSON)")
+  out = FLAGS.out or FLAGS.json.removesuffix(".json") + ".png"
+  plot_module.plot_file(FLAGS.json, out, shapes=FLAGS.plot_shapes)
+  print(f"wrote {out}")
+
+
+COMMANDS = {"check": check, "bench": bench, "plot": plot, "bench_quant": bench_quant}
 
 
 def main(argv):
   command = argv[1] if len(argv) > 1 else "check"
   if command not in COMMANDS or len(argv) > 2:
-    raise app.UsageError(f"usage: python -m jaxfp8 [{'|'.join(COMMANDS)}] [--flags]; got {argv[1:]}")
+    raise app.UsageError(f"usage: python -m jaxfp8 [{'|'.join([*COMMANDS, *DELEGATED])}] [--flags]; got {argv[1:]}")
   result = COMMANDS[command]()
   if command == "check" and result:
     raise SystemExit(1)

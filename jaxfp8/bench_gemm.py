@@ -179,9 +179,12 @@ def run(
     iterations: int = 30,
     seed: int | None = None,
     log=print,
+    timer: Callable[..., float] | None = None,
+    timing_label: str | None = None,
 ) -> dict:
   """Times every contender on every (shape, M); checks each output on a sample first. Returns (and writes) the results."""
   block_size = tuple(block_size)
+  timer = timer or timing.median_kernel_us
   seed = int(np.random.SeedSequence().entropy % (2**31)) if seed is None else seed
   key = jax.random.key(seed)
   torch_mm = None
@@ -232,13 +235,13 @@ def run(
         if name == "torch_scaled_mm":
           if torch_mm is None:
             continue
-          _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record)
+          _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer)
           continue
         fn = jax_fns[name]
         try:
           out = np.asarray(jax.block_until_ready(fn(*arg_sets[0]))).astype(np.float32)
           err = None if name == "fp8_per_tensor" else ref.relative_error(out[np.ix_(sample_rows, cols)], expected)
-          us = timing.median_kernel_us(fn, arg_sets, iterations=iterations)
+          us = timer(fn, arg_sets, iterations=iterations)
           record(name, us=us, err=err, note="speed reference only (per-tensor scales)" if err is None else None)
         except Exception as e:  # a failing contender is reported, not fatal for the others
           record(name, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -248,7 +251,7 @@ def run(
       benchmark="w8a8 block FP8 GEMM, bf16 output, column-major activation scales",
       command=" ".join(sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
       device=jax.devices()[0].device_kind, jax_version=jax.__version__, python=platform.python_version(),
-      seed=seed, timing=f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
+      seed=seed, timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
       weight_floor=f"N*K bytes / {HBM_BYTES_PER_S / 1e12} TB/s", rows=rows_out)
   if out_json:
     with open(out_json, "w") as f:
@@ -258,7 +261,7 @@ def run(
   return result
 
 
-def _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record):
+def _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer):
   name = "torch_scaled_mm"
   if tuple(block_size) != (128, 128):
     record(name, error="needs block_size (128, 128)")
@@ -285,7 +288,7 @@ def _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, i
     else:
       record(name, error="no scale_b layout matched the reference: " + "; ".join(tried))
       return
-    us = timing.median_kernel_us(lambda *args: torch_mm.call(torch_mm.layout, *args), torch_sets,
+    us = timer(lambda *args: torch_mm.call(torch_mm.layout, *args), torch_sets,
                                  iterations=iterations, sync=lambda _: torch.cuda.synchronize())
     record(name, us=us, err=err, note=f"scale_b {torch_mm.layout}")
   except Exception as e:

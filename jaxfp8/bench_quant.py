@@ -9,7 +9,7 @@ import datetime
 import json
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +19,16 @@ from jaxfp8 import quant, timing
 
 DEFAULT_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 DEFAULT_KS = (512, 2048, 7168, 18432)
+# timer(fn, arg_sets, *, iterations) -> median microseconds; default: CUPTI kernel time (jaxfp8.timing).
+Timer = Callable[..., float]
 
 
-def measure_copy_bandwidth(num_bytes: int = 1 << 30) -> float:
+def measure_copy_bandwidth(num_bytes: int = 1 << 30, timer: Timer | None = None) -> float:
   """Device-to-device streaming bandwidth (bytes read + written per second), the ceiling for a memory-bound kernel."""
+  timer = timer or timing.median_kernel_us
   a = jnp.asarray(np.random.default_rng(0).integers(0, 255, num_bytes // 4, dtype=np.uint32))
   touch = jax.jit(lambda v: v ^ jnp.uint32(0x5A5A5A5A))  # one read and one write of every byte
-  us = timing.median_kernel_us(touch, [(a,)], iterations=20)
+  us = timer(touch, [(a,)], iterations=20)
   return 2 * num_bytes / (us * 1e-6)
 
 
@@ -36,9 +39,14 @@ def quant_bytes(m: int, k: int, group_size: int, in_itemsize: int = 2) -> int:
 
 
 def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS, implementations: Sequence[str] = quant.IMPLEMENTATIONS,
-        group_size: int = 128, out_json: str | None = None, iterations: int = 30, log=print) -> dict:
-  """Times `per_token_group_quant_fp8_row_padded` (bf16 input) for every (M, K) and implementation."""
-  copy_bw = measure_copy_bandwidth()
+        group_size: int = 128, out_json: str | None = None, iterations: int = 30, log=print,
+        timer: Timer | None = None, copy_bandwidth: float | None = None,
+        timing_label: str | None = None) -> dict:
+  """Times `per_token_group_quant_fp8_row_padded` (bf16 input) for every (M, K) and implementation.
+
+  `timer` defaults to CUPTI kernel time; `copy_bandwidth` (bytes/s) is measured here unless given."""
+  timer = timer or timing.median_kernel_us
+  copy_bw = copy_bandwidth or measure_copy_bandwidth(timer=timer)
   log(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write, same process)")
   rows = []
   rng = np.random.default_rng(0)
@@ -51,7 +59,7 @@ def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS, implemen
         fn = jax.jit(lambda x, implementation=implementation: quant.per_token_group_quant_fp8_row_padded(
             x, group_size, implementation=implementation, interpret=False))
         try:
-          us = timing.median_kernel_us(fn, arg_sets, iterations=iterations)
+          us = timer(fn, arg_sets, iterations=iterations)
           row = dict(m=m, k=k, implementation=implementation, us=us, gbps=num_bytes / (us * 1e-6) / 1e9,
                      pct_copy_bw=100 * num_bytes / (us * 1e-6) / copy_bw)
         except Exception as e:  # a failing implementation is reported, not fatal for the others
@@ -62,7 +70,8 @@ def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS, implemen
       benchmark="per_token_group_quant_fp8_row_padded (bf16 in, group 128, rows padded to 4, column-major scales)",
       command=" ".join(sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
       device=jax.devices()[0].device_kind, jax_version=jax.__version__, python=platform.python_version(),
-      copy_bandwidth_tbps=copy_bw / 1e12, timing="CUPTI kernel time, median of %d calls" % iterations, rows=rows)
+      copy_bandwidth_tbps=copy_bw / 1e12,
+      timing=timing_label or "CUPTI kernel time, median of %d calls" % iterations, rows=rows)
   if out_json:
     with open(out_json, "w") as f:
       json.dump(result, f, indent=1)

@@ -5,9 +5,15 @@
 #   tests-quant   tests/test_quant.py + tests/test_quant_mosaic.py natively (~4-5 min)
 #   tests-gemm    GPU-marked GEMM tests, Triton and Mosaic (> 4 min)
 #   tests-linear  linear, weights, nn, sharding tests
+#   bench         python -m jaxfp8 bench: GEMM, linear and quantizer with every baseline in one run, the committed
+#                 results (BENCH_ARGS overrides the two DeepSeek-V3 shapes x M=1..4096; it stops itself at 420 s)
 #   bench-quant   python -m jaxfp8 bench_quant (~2 min)
 #   bench-gemm    python -m jaxfp8 bench_gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set BENCH_GEMM_ARGS)
 #   bench-linear  python -m jaxfp8 bench_linear
+#   fuzz-gpu      tests/test_fuzz.py + tests/test_extremes.py with JAXFP8_FUZZ_PROFILE=gpu (not timed yet)
+#   reliability-determinism  scripts/determinism.py: 20 runs of every kernel, bit-identical (not timed yet)
+#   reliability-sanitize     scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/initcheck/synccheck over every
+#                            kernel (slow: set SANITIZE_TOOLS="memcheck" etc. to split it over device calls)
 #   all           every phase above, in order (needs several device calls' worth of time: use phases)
 # Logs, JUnit XML and JSON results go to $OUT (the device tool brings them back; ./gpu_out when unset).
 # Each phase runs under `timeout` (PHASE_TIMEOUT seconds, default 540) so that a slow phase still leaves its log.
@@ -28,7 +34,7 @@ run() {  # run NAME COMMAND...: log to $out/NAME.log, keep going on failure
 } > "$out/env.log" 2>&1
 pytest_args=(-q -rs -p no:cacheprovider)
 phases=("$@"); [[ ${#phases[@]} -eq 0 || ${phases[0]} == all ]] && \
-  phases=(tests-quant tests-gemm tests-linear bench-quant bench-gemm bench-linear)
+  phases=(tests-quant tests-gemm tests-linear bench)
 for phase in "${phases[@]}"; do
   case $phase in
     tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \
@@ -37,9 +43,15 @@ for phase in "${phases[@]}"; do
                   "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" ;;
     tests-linear) run tests_linear python3 -m pytest tests/test_linear.py tests/test_weights.py tests/test_nn.py \
                     tests/test_sharding.py "${pytest_args[@]}" --junitxml="$out/tests_linear.junit.xml" ;;
+    bench) run bench python3 -m jaxfp8 bench ${BENCH_ARGS:---models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down \
+             --m=1,16,64,256,1024,4096 --time_budget_s=420} --out="$out/bench_h200.json" ;;
     bench-quant) run bench_quant python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
     bench-linear) run bench_linear python3 -m jaxfp8.bench_linear --out="$out/linear_h200.json" ;;
+    fuzz-gpu) JAXFP8_FUZZ_PROFILE=gpu run fuzz_gpu python3 -m pytest tests/test_fuzz.py tests/test_extremes.py \
+                "${pytest_args[@]}" --junitxml="$out/fuzz_gpu.junit.xml" ;;
+    reliability-determinism) run determinism python3 scripts/determinism.py "$out/determinism_h200.json" ;;
+    reliability-sanitize) OUT=$out run sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-} ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
 done

@@ -1,0 +1,99 @@
+"""Plots of benchmark JSON: throughput against M, one line per implementation, one panel per shape.
+
+Reads the JSON of `python -m jaxfp8 bench` (GEMM: TFLOP/s; quantizer only: GB/s), of `bench_gemm` (TFLOP/s) and of
+`bench_quant` (GB/s, with the copy bandwidth measured in the same run as a dashed line):
+
+    python -m jaxfp8 plot --json=benchmarks/quant_h200.json --out=benchmarks/quant_h200.png
+
+matplotlib is an optional dependency (extra `notebooks`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+# Two shapes that stand for the rest: a wide projection (compute bound at prefill) and a long-K down projection.
+PREFERRED_SHAPES = ("deepseek_v3.q_proj_no_lora", "dsv3.q_proj_no_lora", "deepseek_v3.dense_down", "dsv3.dense_down")
+PREFERRED_QUANT_KS = ("K=7168", "K=18432")
+
+
+def series(result: dict) -> tuple[str, dict[str, dict[str, list[tuple[int, float]]]], dict]:
+  """(y label, {panel: {implementation: [(M, y)]}}, panel sizes) of a results dict, whatever wrote it."""
+  rows = result["rows"]
+  if rows and "op" in rows[0]:  # python -m jaxfp8 bench
+    op = "gemm" if any(r["op"] == "gemm" for r in rows) else rows[0]["op"]
+    rows = [r for r in rows if r["op"] == op and "us" in r]
+    metric, label = ("gbps", "GB/s") if op == "quant" else ("tflops", "TFLOP/s")
+    label = f"{op}: {label}"
+    name_of = lambda r: r["implementation"]
+  elif rows and "contender" in rows[0]:  # bench_gemm / bench_linear
+    rows = [r for r in rows if "tflops" in r]
+    metric, label, name_of = "tflops", "TFLOP/s", (lambda r: r["contender"])
+  else:  # bench_quant
+    rows = [dict(r, shape=f"K={r['k']}") for r in rows if "us" in r]
+    metric, label, name_of = "gbps", "quantizer: GB/s", (lambda r: r["implementation"])
+  panels: dict = {}
+  sizes: dict = {}
+  for r in rows:
+    shape = r.get("shape", f"K={r['k']}")
+    panels.setdefault(shape, {}).setdefault(name_of(r), []).append((r["m"], r[metric]))
+    sizes[shape] = (r.get("n") or 1) * r["k"]
+  for lines in panels.values():
+    for points in lines.values():
+      points.sort()
+  return label, panels, sizes
+
+
+def pick_shapes(panels: dict, sizes: dict, count: int = 2) -> list[str]:
+  """The preferred representative shapes that are present, else the largest ones."""
+  preferred = [s for s in PREFERRED_SHAPES + PREFERRED_QUANT_KS if s in panels]
+  rest = sorted((s for s in panels if s not in preferred), key=lambda s: -sizes[s])
+  chosen = []
+  for s in preferred + rest:  # one shape per name (dsv3.x and deepseek_v3.x are the same layer)
+    if s.split(".")[-1] not in {c.split(".")[-1] for c in chosen}:
+      chosen.append(s)
+  return chosen[:count]
+
+
+def plot_result(result: dict, shapes: Sequence[str] | None = None):
+  """A matplotlib Figure: one panel per shape, y against M (log 2), one line per implementation."""
+  import matplotlib.pyplot as plt
+
+  label, panels, sizes = series(result)
+  if not panels:
+    raise ValueError("the results hold no timed rows to plot")
+  shapes = list(shapes) if shapes else pick_shapes(panels, sizes)
+  missing = [s for s in shapes if s not in panels]
+  if missing:
+    raise ValueError(f"shapes {missing} are not in the results; they hold {sorted(panels)}")
+  fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
+  for ax, shape in zip(axes[0], shapes):
+    for name, points in sorted(panels[shape].items()):
+      ms, ys = zip(*points)
+      ax.plot(ms, ys, marker="o", label=name)
+    if "GB/s" in label and result.get("copy_bandwidth_tbps"):
+      ax.axhline(result["copy_bandwidth_tbps"] * 1e3, color="gray", ls="--", label="copy bandwidth (same run)")
+    if "TFLOP/s" in label and result.get("compute_peak_tflops"):
+      ax.axhline(result["compute_peak_tflops"], color="gray", ls="--", label="FP8 dense peak (datasheet)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("M (rows)")
+    ax.set_ylabel(label)
+    ax.set_title(shape)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+  cpu = " - CPU WALL CLOCK, says nothing about GPU speed" if result.get("cpu_warning") else ""
+  fig.suptitle(f"{result.get('device', '?')}, jax {result.get('jax_version', '?')}, {result.get('date', '')[:10]}{cpu}")
+  fig.tight_layout()
+  return fig
+
+
+def plot_file(json_path: str, out_path: str, shapes: Sequence[str] | None = None) -> str:
+  """Plot the results JSON at `json_path` into `out_path` (PNG, or any format matplotlib writes)."""
+  import matplotlib
+  matplotlib.use("Agg")  # a file, no window
+  with open(json_path) as f:
+    result = json.load(f)
+  fig = plot_result(result, shapes)
+  fig.savefig(out_path, dpi=110)
+  return out_path

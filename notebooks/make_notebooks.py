@@ -1,0 +1,141 @@
+"""Writes quickstart.ipynb and benchmarks.ipynb (outputs stripped) from the cells below: edit here, then run
+`.venv/bin/python notebooks/make_notebooks.py`. tests/test_notebooks.py executes both notebooks."""
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).parent
+
+QUICKSTART = [
+    new_markdown_cell("""# jaxfp8 quick start
+
+Block-scaled FP8 the way DeepSeek-V3 and Qwen3-FP8 checkpoints store it: weights quantized per 128x128 block,
+activations per group of 128 values of a row, and a GEMM that applies both scales. This notebook
+
+1. quantizes a layer's bf16 weight,
+2. runs `w8a8_block_fp8_linear` on random activations and compares it with bf16 and with the float64 reference,
+3. shows which path dispatch picks and why, and the eager compile cache,
+4. plots the error by row.
+
+It runs unchanged on CPU (XLA code path) and on a GPU (Pallas kernels: Mosaic GPU on Hopper, Triton on sm >= 8.9)."""),
+    new_code_cell("""import jax
+import jax.numpy as jnp
+import numpy as np
+import matplotlib.pyplot as plt
+
+import jaxfp8
+from jaxfp8 import reference
+
+print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")"""),
+    new_markdown_cell("""## 1. Quantize a layer's weights
+
+A bf16 weight (N, K) becomes e4m3fn codes (N, K) and one float32 scale per 128x128 block (the Hugging Face
+`weight` / `weight_scale_inv` pair). The blocks get different magnitudes here, as in a trained layer."""),
+    new_code_cell("""N, K, M = 1024, 2048, 24
+block_size = (128, 128)
+key_w, key_x, key_s = jax.random.split(jax.random.key(0), 3)
+block_magnitudes = jnp.exp2(jax.random.uniform(key_s, (N // 128, K // 128), minval=-4, maxval=2))
+w = (jax.random.normal(key_w, (N, K)) * jnp.repeat(jnp.repeat(block_magnitudes, 128, 0), 128, 1)).astype(jnp.bfloat16)
+
+w_q, w_s = jaxfp8.quantize_weight_blockwise(w, block_size=block_size)
+print("w_q", w_q.shape, w_q.dtype, "| w_s", w_s.shape, w_s.dtype)
+w_back = jaxfp8.dequantize_weight_blockwise(w_q, w_s, block_size)
+print(f"weight round trip: relative error {reference.relative_error(np.asarray(w_back), np.asarray(w, np.float32)):.2e}")"""),
+    new_markdown_cell("""## 2. Run the linear and compare with bf16
+
+`w8a8_block_fp8_linear(x, w_q, w_s, block_size)` quantizes x per token group, runs the block-scaled GEMM and returns
+`x.dtype`. Two comparisons: with the bf16 layer `x @ w.T` (what the model computed before FP8 quantization) and
+with `jaxfp8.reference`, the float64 oracle of the same FP8 computation (the library's numerical contract)."""),
+    new_code_cell("""row_magnitudes = jnp.exp2(jax.random.uniform(key_s, (M, 1), minval=-3, maxval=3))
+x = (jax.random.normal(key_x, (M, K)) * row_magnitudes).astype(jnp.bfloat16)
+
+y = jaxfp8.w8a8_block_fp8_linear(x, w_q, w_s, block_size)
+y_bf16 = jnp.dot(x, w.T, preferred_element_type=jnp.float32)            # the unquantized layer
+y_ref = reference.w8a8_block_fp8_linear(np.asarray(x), np.asarray(w_q), np.asarray(w_s), block_size)  # float64
+
+print("y", y.shape, y.dtype)
+print(f"vs the bf16 layer:        relative error {reference.relative_error(np.asarray(y, np.float32), np.asarray(y_bf16)):.2e}"
+      "  (FP8 quantization of weights and activations)")
+print(f"vs the float64 reference: relative error {reference.relative_error(np.asarray(y, np.float32), y_ref):.2e}"
+      "  (the kernels' own error: accumulation order and the bf16 output)")"""),
+    new_markdown_cell("""## 3. Which path runs, and why
+
+`jaxfp8.linear.explain` returns the plan a call takes: the GEMM and quantizer implementations, the row padding, the
+scale layout and the reason. On CPU that is the XLA path; on an H200 the Mosaic GPU kernels (Triton for shapes they
+cannot take). Shapes can be given as `jax.ShapeDtypeStruct`, so the plan of a large prefill batch costs nothing."""),
+    new_code_cell("""for rows in (1, M, 4096):
+  x_shape = jax.ShapeDtypeStruct((rows, K), jnp.bfloat16)
+  print(f"M={rows:>5}:", jaxfp8.linear.explain(x_shape, w_q, block_size))"""),
+    new_markdown_cell("""Eager calls (outside `jax.jit`) are compiled once per *row bucket*, not once per batch size: a server that sees
+every M from 1 to 64 compiles a handful of executables. `cache_info()` counts them."""),
+    new_code_cell("""jaxfp8.linear.cache_clear()
+for rows in range(1, 17):
+  jaxfp8.w8a8_block_fp8_linear(x[:rows], w_q, w_s, block_size).block_until_ready()
+info = jaxfp8.linear.cache_info()
+print(info)
+print(f"16 batch sizes -> {info.misses} compilations, {info.hits} cache hits, buckets {info.buckets}")"""),
+    new_markdown_cell("""## 4. The error by row
+
+Rows were given magnitudes spread over six octaves. Per-token-group scales make the relative error of a row
+independent of its magnitude: every row shows about the same FP8 quantization error against bf16, and the
+kernels stay within the bf16 output rounding of the float64 reference."""),
+    new_code_cell("""def row_errors(out, ref):
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  return np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1)
+
+fig, ax = plt.subplots(figsize=(8, 3.5))
+ax.semilogy(row_errors(y, y_bf16), "o-", label="jaxfp8 vs bf16 layer (quantization error)")
+ax.semilogy(row_errors(y, y_ref), "s-", label="jaxfp8 vs float64 FP8 reference (kernel error)")
+ax.set_xlabel("row of x"); ax.set_ylabel("relative error (L2 of the row)")
+ax.grid(True, alpha=0.3); ax.legend(fontsize=8)
+plt.show()
+assert row_errors(y, y_ref).max() < 1e-2"""),
+]
+
+BENCHMARKS = [
+    new_markdown_cell("""# jaxfp8 benchmark results
+
+Loads the committed results in `benchmarks/` (H200, CUPTI kernel times, every implementation and baseline timed
+in the same run) and plots throughput against M. `python -m jaxfp8 bench --out=...` writes such a JSON;
+`python -m jaxfp8 plot --json=... --out=....png` draws the same plot from the command line."""),
+    new_code_cell("""import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from jaxfp8 import plot as jaxfp8_plot
+
+root = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks").is_dir() and (p / "jaxfp8").is_dir())
+results = {path.name: json.loads(path.read_text()) for path in sorted((root / "benchmarks").glob("*.json"))}
+for name, result in results.items():
+  print(f"{name}: {result.get('benchmark', '?')}\\n  {result['device']}, jax {result['jax_version']}, "
+        f"{result['date'][:10]}, {len(result['rows'])} rows; {result['timing']}\\n  command: {result['command']}")"""),
+    new_markdown_cell("""## Tables
+Each JSON has a markdown table beside it (`.md`), written by the same run."""),
+    new_code_cell("""from IPython.display import Markdown, display
+
+for name in results:
+  table = root / "benchmarks" / name.replace(".json", ".md")
+  if table.exists():
+    display(Markdown(table.read_text()))"""),
+    new_markdown_cell("""## Plots
+Two representative shapes per file (the GEMM: a wide projection and a long-K down projection; the quantizer:
+K = 7168 and 18432), one line per implementation. Dashed: the roofline measured or quoted in the same run."""),
+    new_code_cell("""for name, result in results.items():
+  fig = jaxfp8_plot.plot_result(result)
+  plt.show()"""),
+]
+
+
+def write(cells, name: str) -> None:
+  nb = new_notebook(cells=cells, metadata={
+      "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+      "language_info": {"name": "python"}})
+  nbformat.validate(nb)
+  nbformat.write(nb, HERE / name)
+
+
+if __name__ == "__main__":
+  write(QUICKSTART, "quickstart.ipynb")
+  write(BENCHMARKS, "benchmarks.ipynb")

@@ -1,0 +1,155 @@
+"""`python -m jaxfp8 bench` and `python -m jaxfp8 plot` on CPU: the command line end to end on a tiny shape list,
+and the arithmetic of the table (roofline, speedup over the best baseline). The GPU numbers come from the H200."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from jaxfp8 import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_command_on_a_tiny_shape_list(tmp_path):
+  out = tmp_path / "bench_cpu.json"
+  command = [sys.executable, "-m", "jaxfp8", "bench", "--shapes=1,256,512;8,256,512;4,128,256", "--iterations=2",
+             f"--out={out}", "--seed=3"]
+  proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "say nothing about GPU speed" in proc.stdout and "wall us" in proc.stdout
+  result = json.loads(out.read_text())
+  assert result["complete"] and result["cpu_warning"] and "WALL-CLOCK" in result["timing"]
+  assert result["command"].startswith("python -m jaxfp8 bench --shapes=") and result["seed"] == 3
+  for key in ("date", "device", "jax_version", "copy_bandwidth_tbps", "implementations"):
+    assert result[key]
+  assert result["ms_by_shape"] == {"256x512": [1, 8], "128x256": [4]}
+  rows = result["rows"]
+  seen = {(r["op"], r["shape"], r["m"], r["implementation"]) for r in rows}
+  for op, names in result["implementations"].items():
+    assert names, op
+    for name in names:
+      for shape, ms in (("256x512", (1, 8)), ("128x256", (4,))):
+        for m in ms:
+          key = (op, f"K={shape.split('x')[1]}" if op == "quant" else shape, m, name)
+          assert key in seen, key
+  assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
+  assert all(r["us"] > 0 and r["gbps"] > 0 and r["pct_roofline"] > 0 for r in rows)
+  assert all(r["within_bf16_bound"] for r in rows if "within_bf16_bound" in r)
+  assert {r["m"] for r in rows if r["op"] == "quant" and r["k"] == 512} == {1, 8}
+  md = (tmp_path / "bench_cpu.md").read_text()
+  assert "say nothing about GPU speed" in md
+  assert sum(line.startswith("| gemm |") for line in md.splitlines()) == len([r for r in rows if r["op"] == "gemm"])
+
+  png = tmp_path / "bench_cpu.png"
+  proc = subprocess.run([sys.executable, "-m", "jaxfp8", "plot", f"--json={out}", f"--out={png}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_time_budget_leaves_an_incomplete_json(tmp_path):
+  out = tmp_path / "cut.json"
+  result = bench.run(["gemm"], [("s", 128, 256)], [2], ["xla"], str(out), iterations=1, time_budget_s=1e-9,
+                     log=lambda *_: None)
+  assert not result["complete"] and json.loads(out.read_text())["complete"] is False
+  assert "INCOMPLETE" in (tmp_path / "cut.md").read_text()
+
+
+def test_parse_shapes_and_problems():
+  assert bench.parse_shapes("24576,7168; 576,7168") == [("24576x7168", 24576, 7168), ("576x7168", 576, 7168)]
+  shapes, ms = bench.parse_mnk("64,24576,7168;4096,24576,7168;1,576,7168")
+  assert shapes == [("24576x7168", 24576, 7168), ("576x7168", 576, 7168)]
+  assert ms == {"24576x7168": [64, 4096], "576x7168": [1]}
+  assert bench.parse_mnk("24576,7168") is None
+  for bad in ("1,2,3,4", "0,128", "a,b"):
+    with pytest.raises(ValueError):
+      bench.parse_shapes(bad)
+
+
+def test_model_shapes_and_implementation_names():
+  dsv3 = bench.model_shapes(["deepseek_v3"])
+  assert ("deepseek_v3.q_proj_no_lora", 24576, 7168) in dsv3 and len(dsv3) == 11
+  assert not [s for s in bench.model_shapes(["all"]) if s[0].startswith("unaligned")]
+  two = bench.model_shapes(["deepseek_v3.q_proj_no_lora", "qwen3_32b.down_proj", "deepseek_v3.q_proj_no_lora"])
+  assert two == [("deepseek_v3.q_proj_no_lora", 24576, 7168), ("qwen3_32b.down_proj", 5120, 25600)]
+  with pytest.raises(ValueError, match="no_such_model"):
+    bench.model_shapes(["no_such_model"])
+  chosen = bench.select_implementations(["dequant_bf16", "xla"], ["gemm", "linear", "quant"], on_gpu=False)
+  assert chosen == {"gemm": ["xla", "dequant_bf16"], "linear": ["dequant_bf16"], "quant": ["xla"]}
+  with pytest.raises(ValueError, match="cuda_magic"):
+    bench.select_implementations(["cuda_magic"], ["gemm"], on_gpu=False)
+  cpu = bench.select_implementations(None, ["gemm", "quant"], on_gpu=False)
+  assert "torch_scaled_mm" not in cpu["gemm"] and "mosaic" not in cpu["quant"] and "xla" in cpu["quant"]
+
+
+def test_roofline_and_speedup_arithmetic():
+  m, n, k = 4096, 24576, 7168
+  flops = 2 * m * n * k
+  fast = dict(op="gemm", shape="s", m=m, n=n, k=k, implementation="mosaic", role="ours", us=1000.0)
+  base = dict(fast, implementation="dequant_bf16", role="baseline", us=2000.0)
+  wrong = dict(fast, implementation="torch_scaled_mm", role="baseline", us=10.0, within_bf16_bound=False)
+  rows = [fast, base, wrong]
+  for r in rows:
+    bench.add_roofline(r, peak_tflops=1979.0, copy_bandwidth=4.3e12, block_size=(128, 128))
+  assert fast["bound"] == "compute" and fast["flops"] == flops
+  assert fast["tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+  assert fast["pct_roofline"] == pytest.approx(100 * flops / 1979e12 / 1e-3)
+  gemm_bytes = m * k + m * (k // 128) * 4 + n * k + (n // 128) * (k // 128) * 4 + m * n * 2
+  assert fast["bytes"] == gemm_bytes
+  bench.add_baseline_ratios(rows)  # a baseline outside the bf16 bound is not a baseline to beat
+  assert fast["speedup_vs_best_baseline"] == 2.0 and fast["best_baseline"] == "dequant_bf16"
+  decode = dict(fast, m=1, us=50.0)
+  bench.add_roofline(decode, peak_tflops=1979.0, copy_bandwidth=4.3e12, block_size=(128, 128))
+  assert decode["bound"] == "memory" and decode["roofline_us"] == pytest.approx(decode["bytes"] / 4.3e12 * 1e6)
+  quant = dict(op="quant", shape="K=7168", m=64, n=None, k=7168, implementation="xla", role="baseline", us=4.0)
+  bench.add_roofline(quant, peak_tflops=None, copy_bandwidth=4.3e12, block_size=(128, 128))
+  assert "tflops" not in quant and quant["bound"] == "memory"
+  from jaxfp8 import bench_quant
+  assert quant["bytes"] == bench_quant.quant_bytes(64, 7168, 128)
+
+
+def test_plot_of_the_committed_quantizer_results(tmp_path):
+  pytest.importorskip("matplotlib")
+  from jaxfp8 import plot
+  result = json.loads((ROOT / "benchmarks" / "quant_h200.json").read_text())
+  label, panels, sizes = plot.series(result)
+  assert "GB/s" in label and plot.pick_shapes(panels, sizes) == ["K=7168", "K=18432"]
+  assert set(panels["K=7168"]) == {"mosaic", "triton", "xla"}
+  out = plot.plot_file(str(ROOT / "benchmarks" / "quant_h200.json"), str(tmp_path / "q.png"))
+  assert Path(out).stat().st_size > 10_000
+  with pytest.raises(ValueError, match="not in the results"):
+    plot.plot_result(result, ["K=1"])
+
+
+def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
+  """The GPU code path (CUPTI timer, measured copy bandwidth, datasheet peak) with CUPTI faked, on CPU."""
+  from jaxfp8 import bench_quant, timing
+
+  def fake_cupti(fn, arg_sets, *, iterations=30, sync=None):
+    (sync or (lambda out: out.block_until_ready() if hasattr(out, "block_until_ready") else out))(fn(*arg_sets[0]))
+    return 7.0
+
+  # bench sees an H200; the library underneath still dispatches for the CPU it runs on.
+  monkeypatch.setattr(bench, "_platform", types.SimpleNamespace(
+      gpu_compute_capability=lambda: (9, 0), is_hopper=lambda: True, has_fp8_gpu=lambda: True))
+  monkeypatch.setattr(timing, "median_kernel_us", fake_cupti)
+  monkeypatch.setattr(timing, "kernel_names", lambda fn, args, **_: ["quantize", "gemm"])
+  monkeypatch.setattr(bench_quant, "measure_copy_bandwidth", lambda *a, **k: 4.0e12)
+  lines = []
+  result = bench.run(["gemm", "linear", "quant"], [("s", 256, 512)], [4], ["xla", "dequant_bf16", "linear"],
+                     str(tmp_path / "gpu.json"), iterations=2, peak_tflops=1979.0, seed=1, log=lines.append)
+  assert result["timing"].startswith("CUPTI") and result["cpu_warning"] is None
+  assert result["copy_bandwidth_tbps"] == 4.0 and result["compute_peak_tflops"] == 1979.0
+  rows = {(r["op"], r["implementation"]): r for r in result["rows"]}
+  assert set(rows) == {("gemm", "xla"), ("gemm", "dequant_bf16"), ("linear", "linear"), ("linear", "dequant_bf16"),
+                       ("quant", "xla")}
+  assert all(r["us"] == 7.0 for r in rows.values())
+  assert rows[("gemm", "xla")]["speedup_vs_best_baseline"] == 1.0
+  assert rows[("linear", "linear")]["kernels"] == ["quantize", "gemm"]
+  assert not any("WARNING" in line for line in lines) and "wall us" not in "\n".join(lines)
