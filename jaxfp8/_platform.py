@@ -24,10 +24,14 @@ def gpu_compute_capability() -> tuple[int, int] | None:
   return int(major), int(minor)
 
 
+# Device kinds of sm_90 (Hopper) parts, as JAX names them.
+_HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
 def abstract_device_capability() -> tuple[int, int] | None:
-  """The capability of an abstract GPU device set by `abstract_h200()`, if any."""
+  """(9, 0) when the abstract mesh's device is a Hopper GPU (as set by `abstract_h200()`), else None."""
   device = jax.sharding.get_abstract_mesh().abstract_device
-  if device is not None and device.platform == "gpu":
+  if device is not None and device.platform == "gpu" and any(k in device.device_kind for k in _HOPPER_KINDS):
     return (9, 0)
   return None
 
@@ -53,8 +57,10 @@ def resolve_interpret(interpret: bool | None) -> bool:
 
 def num_sms() -> int:
   """SMs of the device kernels are built for (the abstract one when lowering on CPU)."""
-  if abstract := jax.sharding.get_abstract_mesh().abstract_device:
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  if abstract is not None and abstract.num_cores:
     return abstract.num_cores
+  # Inside shard_map on a CPU mesh the abstract device has no core count: size grids for an H200.
   device = jax.devices()[0]
   return getattr(device, "core_count", None) or H200_NUM_SMS
 
