@@ -20,12 +20,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import _platform, gemm_configs, gemm_xla, quant
+from jaxfp8 import _checks, _platform, gemm_configs, gemm_xla
 from pallas_kernels.gemm_triton import TritonGemmConfig, check_config
 from pallas_kernels import gemm_triton
 
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
-OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+OUT_DTYPES = _checks.FLOAT_DTYPES
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # The only scale block the Mosaic GPU kernel implements (DeepSeek-V3's).
 MOSAIC_BLOCK = 128
@@ -100,13 +100,7 @@ def _check_array(name: str, x, dtypes: Sequence[jnp.dtype], ndim: int | None = 2
 
 
 def _check_out_dtype(out_dtype) -> jnp.dtype:
-  try:
-    dtype = jnp.dtype(out_dtype)
-  except TypeError:
-    raise TypeError(f"out_dtype must be a dtype (bfloat16, float16 or float32), got {out_dtype!r}") from None
-  if dtype not in OUT_DTYPES:
-    raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {dtype}")
-  return dtype
+  return _checks.float_dtype("out_dtype", out_dtype)
 
 
 def resolve_implementation(
@@ -191,8 +185,8 @@ def w8a8_block_fp8_matmul(
   _check_array("b_s", b_s, (jnp.dtype(jnp.float32),))
   gn, gk = _check_block_size(block_size)
   block_size = (gn, gk)
-  a_s_column_major = quant.check_flag("a_s_column_major", a_s_column_major)
-  interpret = quant.check_interpret(interpret)
+  a_s_column_major = _checks.flag("a_s_column_major", a_s_column_major)
+  interpret = _checks.interpret(interpret)
   out_dtype = _check_out_dtype(out_dtype)
   m, k = a_q.shape
   n, k_b = b_q.shape

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxfp8 import gemm, quant
+from jaxfp8 import _checks, gemm, quant
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,6 @@ EPS = 1e-10  # SPEC 1's default floor of a group's absolute maximum
 # other M make its launcher copy a_q into a padded buffer.
 _MOSAIC_TMA_ROWS = 8
 _QUANT_MOSAIC_MODULE = "pallas_kernels.quant_mosaic"
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
 
 
 # ---- row buckets ---------------------------------------------------------------------------------------------------
@@ -98,7 +94,7 @@ class RowBuckets:
     for size in self.sizes:
       if m <= size:
         return size
-    return _round_up(m, self.step)
+    return _checks.round_up(m, self.step)
 
   def buckets_for(self, ms) -> tuple[int, ...]:
     """The distinct buckets a set of row counts touches, ascending."""
@@ -195,7 +191,7 @@ class LinearPlan:
   @property
   def padded_rows(self) -> int:
     """Rows of the quantized activations and of the GEMM output."""
-    return _round_up(self.m, self.row_alignment)
+    return _checks.round_up(self.m, self.row_alignment)
 
   def __str__(self) -> str:
     pallas = self.implementation != "xla" or self.quant_implementation != "xla"
@@ -238,7 +234,7 @@ def _default_reason(implementation: str, capability, interpret: bool, m_rows: in
 def _mosaic_row_alignment(m: int, n: int, k: int, block_size: tuple[int, int]) -> int:
   """The least padding with which the Mosaic GEMM reads the quantizer's buffers as they are."""
   for alignment in (1, 4, _MOSAIC_TMA_ROWS):
-    rows = _round_up(m, alignment)
+    rows = _checks.round_up(m, alignment)
     tma_ok = rows % _MOSAIC_TMA_ROWS == 0 or rows < _MOSAIC_TMA_ROWS
     if rows and tma_ok and gemm.mosaic_unsupported_reason(rows, n, k, block_size) is None:
       return alignment
@@ -261,12 +257,6 @@ def _check_quant_implementation(name: str, capability, interpret: bool) -> None:
                      "pass interpret=True to simulate it")
 
 
-def _check_positive_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-  return int(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Options:
   """What the caller asked for, besides the arrays (hashable: part of the executable cache key)."""
@@ -277,14 +267,14 @@ class _Options:
   interpret: bool | None = None
 
   def __post_init__(self):
-    object.__setattr__(self, "interpret", quant.check_interpret(self.interpret))
+    object.__setattr__(self, "interpret", _checks.interpret(self.interpret))
 
 
 def _plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, options: _Options) -> LinearPlan:
   interpret = gemm._resolve_interpret(options.interpret)
   capability = gemm._capability()
   # The rows the GEMM will see (>= 8 so that M itself never decides between Mosaic and Triton: the quantizer pads).
-  m_rows = max(_round_up(max(m, 1), _MOSAIC_TMA_ROWS), _MOSAIC_TMA_ROWS)
+  m_rows = max(_checks.round_up(max(m, 1), _MOSAIC_TMA_ROWS), _MOSAIC_TMA_ROWS)
   implementation = options.implementation
   if implementation == "mosaic" and (why := gemm.mosaic_unsupported_reason(m_rows, n, k, block_size)):
     raise ValueError(f"implementation='mosaic' cannot run a linear with N={n}, K={k}, block_size={block_size}: {why}; "
@@ -310,7 +300,7 @@ def _plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, option
     _check_quant_implementation(quant_implementation, capability, interpret)
 
   if options.row_alignment is not None:
-    row_alignment = _check_positive_int("row_alignment", options.row_alignment)
+    row_alignment = _checks.positive_int("row_alignment", options.row_alignment)
   elif resolved == "mosaic":
     row_alignment = _mosaic_row_alignment(m, n, k, block_size)
   else:

@@ -14,12 +14,11 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxfp8 import _platform
+from jaxfp8 import _checks, _platform
 
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
-INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+INPUT_DTYPES = _checks.FLOAT_DTYPES
 
 # Where each implementation's launcher lives; imported on first use so that CPU users never load GPU-only modules.
 _LAUNCHERS = {
@@ -32,16 +31,6 @@ _LAUNCHERS = {
 def _launcher(implementation: str):
   module, name = _LAUNCHERS[implementation]
   return getattr(importlib.import_module(module), name)
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
-def _check_positive_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-  return int(value)
 
 
 # On the H200 the Triton kernel is up to 0.16 us faster than the Mosaic one below about half a million values (a
@@ -82,19 +71,6 @@ _CONFIG_CLASSES = {
     "mosaic": ("pallas_kernels.quant_mosaic", "QuantMosaicConfig"),
     "triton": ("pallas_kernels.quant_triton", "QuantTritonConfig"),
 }
-
-
-def check_flag(name: str, value) -> bool:
-  """A boolean option: a bool (or NumPy bool), never a truthy string or number that would silently switch it on."""
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool, got {value!r}")
-  return bool(value)
-
-
-def check_interpret(interpret) -> bool | None:
-  if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
-    raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
-  return None if interpret is None else bool(interpret)
 
 
 def _check_config(implementation: str, config) -> None:
@@ -156,12 +132,12 @@ def per_token_group_quant_fp8(
   """
   x = _validate_x(x)
   column_major_scales, scale_tma_aligned, scale_ue8m0, pack_ue8m0, fuse_silu_and_mul = (
-      check_flag(name, value) for name, value in (
+      _checks.flag(name, value) for name, value in (
           ("column_major_scales", column_major_scales), ("scale_tma_aligned", scale_tma_aligned),
           ("scale_ue8m0", scale_ue8m0), ("pack_ue8m0", pack_ue8m0), ("fuse_silu_and_mul", fuse_silu_and_mul)))
-  interpret = check_interpret(interpret)
-  group_size = _check_positive_int("group_size", group_size)
-  row_alignment = _check_positive_int("row_alignment", row_alignment)
+  interpret = _checks.interpret(interpret)
+  group_size = _checks.positive_int("group_size", group_size)
+  row_alignment = _checks.positive_int("row_alignment", row_alignment)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (eps > 0 and math.isfinite(eps)):
     raise ValueError(f"eps must be a positive finite number, got {eps!r}")
   if pack_ue8m0 and not scale_ue8m0:
@@ -216,8 +192,8 @@ def _quantize_batched(x3, masked_m, *, group_size, eps, row_alignment, scale_lay
   batch, rows, k_in = x3.shape
   k = k_in // 2 if fuse_silu_and_mul else k_in
   groups = k // group_size
-  out_rows = _round_up(rows, row_alignment)
-  scale_cols = _round_up(out_rows, 4) if scale_tma_aligned else out_rows
+  out_rows = _checks.round_up(rows, row_alignment)
+  scale_cols = _checks.round_up(out_rows, 4) if scale_tma_aligned else out_rows
   if masked_m is None:
     valid_rows = jnp.full((batch,), rows, jnp.int32)
   else:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxfp8 import gemm
+from jaxfp8 import _checks, gemm
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
@@ -38,7 +38,7 @@ DEFAULT_BLOCK_SIZE = (128, 128)
 WEIGHT_SUFFIX = ".weight"
 SCALE_SUFFIX = ".weight_scale_inv"
 BIAS_SUFFIX = ".bias"
-WEIGHT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+WEIGHT_DTYPES = _checks.FLOAT_DTYPES
 # safetensors dtype names of the types its NumPy reader may refuse, and what they are.
 _RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
                "BF16": np.dtype(ml_dtypes.bfloat16)}
@@ -125,12 +125,7 @@ def dequantize_weight_blockwise(w_q, w_s, block_size: tuple[int, int] = DEFAULT_
   gemm._check_array("w_s", w_s, (jnp.dtype(jnp.float32),))
   gn, gk = gemm._check_block_size(block_size)
   _check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), (gn, gk), "w_s")
-  try:
-    out_dtype = jnp.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"dtype must be a floating dtype (bfloat16, float16 or float32), got {dtype!r}") from None
-  if out_dtype not in WEIGHT_DTYPES:
-    raise ValueError(f"dtype must be bfloat16, float16 or float32, got {out_dtype}")
+  out_dtype = _checks.float_dtype("dtype", dtype)
   return _dequantize_weight(jnp.asarray(w_q), jnp.asarray(w_s), block_size=(gn, gk), dtype=out_dtype)
 
 

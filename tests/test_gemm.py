@@ -276,7 +276,7 @@ def _valid_args(m=5, n=200, k=300, block_size=(128, 128)):
     (dict(block_size=(True, 128)), TypeError, "gn=True"),
     (dict(block_size="ab"), TypeError, "block_size must be a pair"),
     (dict(out_dtype=jnp.int8), ValueError, "out_dtype must be bfloat16, float16 or float32, got int8"),
-    (dict(out_dtype="not a dtype"), TypeError, "out_dtype must be a dtype"),
+    (dict(out_dtype="not a dtype"), TypeError, "out_dtype must be a floating dtype"),
     (dict(bias=np.ones((201,), np.float32)), ValueError, r"bias must have shape \(N,\) = \(200,\)"),
     (dict(bias=np.ones((1, 200), np.float32)), ValueError, "bias must have shape"),
     (dict(bias=np.ones((200,), np.int32)), TypeError, "bias must have dtype"),

@@ -156,7 +156,7 @@ def test_linear_interpret_must_be_none_or_bool():
 
 
 def test_linear_out_dtype_not_a_dtype():
-  with pytest.raises(TypeError, match="out_dtype must be a dtype"):
+  with pytest.raises(TypeError, match="out_dtype must be a floating dtype .* got"):
     jaxfp8.w8a8_block_fp8_linear(*_linear_args(), out_dtype="nope")
 
 
