@@ -21,8 +21,6 @@ about GPU speed.
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import platform
 import statistics
 import sys
@@ -32,7 +30,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxfp8 import _platform, bench_gemm, bench_linear, bench_quant, quant, shapes, timing
+from jaxfp8 import _bench_io, _platform, bench_gemm, bench_linear, bench_quant, shapes
 
 OPS = ("gemm", "linear", "quant")
 # NVIDIA H200 (SXM) datasheet: FP8 Tensor Core 3958 TFLOP/s with 2:4 sparsity, i.e. 1979 dense.
@@ -286,12 +284,7 @@ def run(
   def write():
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     add_baseline_ratios(rows)
-    if out_json:
-      os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
-      with open(out_json, "w") as f:
-        json.dump(result, f, indent=1)
-      with open(out_json.removesuffix(".json") + ".md", "w") as f:
-        f.write(markdown_table(result))
+    _bench_io.write_results(result, out_json, markdown_table)
 
   common = dict(iterations=iterations, timer=timer, timing_label=timer_label)
   # Quantization depends on K only: one entry per distinct K.

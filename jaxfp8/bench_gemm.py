@@ -18,12 +18,10 @@ For M <= 64 the row also reports the ratio to the weight-streaming floor, weight
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
 import os
-import platform
 import sys
 from collections.abc import Callable, Sequence
 
@@ -31,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import gemm, gemm_xla, timing
+from jaxfp8 import _bench_io, gemm, gemm_xla, timing
 from jaxfp8 import reference as ref
 
 CONTENDERS = ("triton", "mosaic", "xla", "dequant_bf16", "fp8_per_tensor", "torch_scaled_mm")
@@ -206,9 +204,7 @@ def run(
       key, *keys = jax.random.split(key, sets + 1)
       acts = [make_activation(keys[i], m, k, block_size[1]) for i in range(sets)]
       arg_sets = [(a_q, b_q, a_s, b_s) for (a_q, a_s), (b_q, b_s) in zip(acts, weights)]
-      n_blocks = -(-n // block_size[0])
-      sample_rows = np.unique(np.array([0, m // 2, m - 1]))
-      sample_blocks = np.unique(np.array([0, n_blocks // 2, n_blocks - 1]))
+      sample_rows, sample_blocks = _bench_io.sample_rows_and_blocks(m, n, block_size[0])
       expected, cols = sample_reference(*arg_sets[0], block_size, sample_rows, sample_blocks)
       flops = 2 * m * n * k
       floor_us = weight_bytes / HBM_BYTES_PER_S * 1e6
@@ -249,15 +245,9 @@ def run(
     del weights
   result = dict(
       benchmark="w8a8 block FP8 GEMM, bf16 output, column-major activation scales",
-      command=" ".join(sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      device=jax.devices()[0].device_kind, jax_version=jax.__version__, python=platform.python_version(),
-      seed=seed, timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
+      **_bench_io.run_metadata(), seed=seed, timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
       weight_floor=f"N*K bytes / {HBM_BYTES_PER_S / 1e12} TB/s", rows=rows_out)
-  if out_json:
-    with open(out_json, "w") as f:
-      json.dump(result, f, indent=1)
-    with open(out_json.removesuffix(".json") + ".md", "w") as f:
-      f.write(markdown_table(result))
+  _bench_io.write_results(result, out_json, markdown_table)
   return result
 
 

@@ -21,10 +21,7 @@ kernels one linear call launches (so that anything between the quantizer and the
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 from collections.abc import Callable, Sequence
 
@@ -32,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import bench_gemm, gemm, gemm_xla, linear, quant, shapes, timing, weights
+from jaxfp8 import _bench_io, bench_gemm, gemm, gemm_xla, linear, quant, shapes, timing, weights
 from jaxfp8 import reference as ref
 
 CONTENDERS = ("linear", "gemm", "quant", "dequant_bf16", "w8a16_bf16")
@@ -119,9 +116,7 @@ def run(
       fns = _contenders(plan, block_size)
       quantize = fns["quant"]
       arg_sets = [(x, w_q, w_s, *quantize(x, w_q, w_s, None, None)) for x, (w_q, w_s) in zip(xs, weight_sets)]
-      n_blocks = -(-n // block_size[0])
-      sample_rows = np.unique(np.array([0, m // 2, m - 1]))
-      sample_blocks = np.unique(np.array([0, n_blocks // 2, n_blocks - 1]))
+      sample_rows, sample_blocks = _bench_io.sample_rows_and_blocks(m, n, block_size[0])
       x0, w_q0, w_s0, a_q0, a_s0 = arg_sets[0]
       expected, cols = _sample_reference(x0, w_q0, w_s0, block_size, sample_rows, sample_blocks)
       a_s_rows = np.asarray(a_s0)[:, :m].T if plan.scale_layout == "col" else np.asarray(a_s0)[:m]
@@ -174,16 +169,10 @@ def run(
     del weight_sets
   result = dict(
       benchmark="w8a8_block_fp8_linear (bf16 activations, block-FP8 weights, bf16 output) vs its parts and baselines",
-      command=" ".join(sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      device=jax.devices()[0].device_kind, jax_version=jax.__version__, python=platform.python_version(),
-      seed=seed, timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
+      **_bench_io.run_metadata(), seed=seed, timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
       weight_floor=f"N*K bytes / {bench_gemm.HBM_BYTES_PER_S / 1e12} TB/s",
       decode_target="for M <= 64: linear <= 1.1 x gemm + 3 us", rows=rows_out)
-  if out_json:
-    with open(out_json, "w") as f:
-      json.dump(result, f, indent=1)
-    with open(out_json.removesuffix(".json") + ".md", "w") as f:
-      f.write(markdown_table(result))
+  _bench_io.write_results(result, out_json, markdown_table)
   return result
 
 

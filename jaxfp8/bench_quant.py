@@ -5,17 +5,13 @@ All implementations and the copy-bandwidth ceiling are measured in the same proc
 
 from __future__ import annotations
 
-import datetime
-import json
-import platform
-import sys
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import quant, timing
+from jaxfp8 import _bench_io, quant, timing
 
 DEFAULT_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 DEFAULT_KS = (512, 2048, 7168, 18432)
@@ -68,13 +64,9 @@ def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS, implemen
         log(format_row(row))
   result = dict(
       benchmark="per_token_group_quant_fp8_row_padded (bf16 in, group 128, rows padded to 4, column-major scales)",
-      command=" ".join(sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      device=jax.devices()[0].device_kind, jax_version=jax.__version__, python=platform.python_version(),
-      copy_bandwidth_tbps=copy_bw / 1e12,
+      **_bench_io.run_metadata(), copy_bandwidth_tbps=copy_bw / 1e12,
       timing=timing_label or "CUPTI kernel time, median of %d calls" % iterations, rows=rows)
-  if out_json:
-    with open(out_json, "w") as f:
-      json.dump(result, f, indent=1)
+  _bench_io.write_results(result, out_json)
   return result
 
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import _platform, bench_gemm, gemm, gemm_configs, timing
+from jaxfp8 import _bench_io, _platform, bench_gemm, gemm, gemm_configs, timing
 from jaxfp8 import reference as ref
 from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems
 
@@ -130,9 +130,7 @@ def tune(
       key, *keys = jax.random.split(key, sets + 1)
       acts = [bench_gemm.make_activation(keys[i], m, k, block_size[1]) for i in range(sets)]
       arg_sets = [(a_q, b_q, a_s, b_s) for (a_q, a_s), (b_q, b_s) in zip(acts, weights)]
-      n_blocks = -(-n // block_size[0])
-      sample_rows = np.unique(np.array([0, m // 2, m - 1]))
-      sample_blocks = np.unique(np.array([0, n_blocks // 2, n_blocks - 1]))
+      sample_rows, sample_blocks = _bench_io.sample_rows_and_blocks(m, n, block_size[0])
       expected, cols = bench_gemm.sample_reference(*arg_sets[0], block_size, sample_rows, sample_blocks)
       candidates = candidate_configs(m, n, k, block_size, max_configs=max_configs, num_sms=num_sms)
       results = []
