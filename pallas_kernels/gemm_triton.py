@@ -6,7 +6,9 @@ One program computes a (block_m, block_n) tile of C (or, with split_k > 1, one K
 buffer that the caller sums). The K loop steps block_k at a time; every step runs fp8 x fp8 dots with f32 results,
 each dot no wider than one scale group (min(block_k, gk) columns of K, at most 128), and adds dot * a_s * b_s into an
 f32 register accumulator. So the tensor cores' own low-precision FP8 accumulation never runs over more than 128
-columns (PALLAS_NOTES: promote at least every 128 K), and every relation of block_k to gk is handled the same way:
+columns (PALLAS_NOTES: promote at least every 128 K); inside a group the dot is `fp8_group_dot`, which lets Triton
+chain the wgmmas (plain `lax.dot_general` would make it add every 32-wide wgmma into f32 separately: 4x slower).
+Every relation of block_k to gk is handled the same way:
   * block_k < gk: several steps per group; the scale index k // gk only advances after a group's last step.
   * block_k == gk: one dot per step.
   * block_k > gk: block_k // gk dots per step, each with its own group's scale.
@@ -28,6 +30,8 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.triton_fp8_dot import fp8_group_dot
 
 # Triton's tt.dot needs every dimension >= 16; an 8-bit MMA consumes K in steps of 32.
 MIN_DOT_MN = 16
@@ -201,11 +205,10 @@ def _kernel(
           None if col_ok is None else col_ok[:, None], None if k_ok is None else k_ok[None, :])
       a_tile = load(a_ref.at[pl.ds(m0, bm), pl.ds(k0, dot_k)], a_mask)
       b_tile = load(b_ref.at[pl.ds(n0, bn), pl.ds(k0, dot_k)], b_mask)
-      contract_k = (((1,), (1,)), ((), ()))
       if config.swap_ab:
-        part = lax.dot_general(b_tile, a_tile, contract_k, preferred_element_type=jnp.float32)  # (bn, bm)
+        part = fp8_group_dot(b_tile, a_tile)  # (bn, bm)
       else:
-        part = lax.dot_general(a_tile, b_tile, contract_k, preferred_element_type=jnp.float32)  # (bm, bn)
+        part = fp8_group_dot(a_tile, b_tile)  # (bm, bn)
 
       # Scales of a group past the end of K (only in the last step when block_k > gk) load as 0: its tiles are 0.
       if a_s_column_major:

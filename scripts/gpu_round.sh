@@ -2,12 +2,15 @@
 # The standard GPU round. One device call can hold about 10 minutes, so the round is split into phases:
 #   scripts/gpu_round.sh PHASE [PHASE ...]        e.g.  scripts/gpu_round.sh tests-quant bench-quant
 # Phases (rough H200 wall times measured 2026-11-29):
+#   tests-all     every GPU test below (quant, GEMM, linear, fuzz-gpu) at once in two pytest-xdist groups sharing the
+#                 GPU (TEST_WORKERS, default 4, and 2 more; the image has pytest-xdist): compiling is the slow part
 #   tests-quant   tests/test_quant.py + tests/test_quant_mosaic.py natively (~4-5 min)
 #   tests-gemm    GPU-marked GEMM tests, Triton and Mosaic (> 4 min)
 #   tests-linear  linear, weights, nn, sharding tests
 #   bench         python -m jaxfp8 bench: GEMM, linear and quantizer with every baseline in one run, the committed
 #                 results (BENCH_ARGS overrides the two DeepSeek-V3 shapes x M=1..4096; it stops itself at 420 s)
 #   bench-quant   python -m jaxfp8 bench_quant (~2 min)
+#   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json (TUNE_ARGS overrides)
 #   bench-gemm    python -m jaxfp8 bench_gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set BENCH_GEMM_ARGS)
 #   bench-linear  python -m jaxfp8 bench_linear
 #   fuzz-gpu      tests/test_fuzz.py + tests/test_extremes.py with JAXFP8_FUZZ_PROFILE=gpu (not timed yet)
@@ -15,6 +18,8 @@
 #   reliability-sanitize     scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/initcheck/synccheck over every
 #                            kernel (slow: set SANITIZE_TOOLS="memcheck" etc. to split it over device calls)
 #   all           every phase above, in order (needs several device calls' worth of time: use phases)
+# On a machine with several GPUs, pin phases with CUDA_VISIBLE_DEVICES and run them side by side, e.g. tests on GPU 0
+# while GPU 1 times: (CUDA_VISIBLE_DEVICES=0 scripts/gpu_round.sh tests-all &); CUDA_VISIBLE_DEVICES=1 scripts/gpu_round.sh tune
 # Logs, JUnit XML and JSON results go to $OUT (the device tool brings them back; ./gpu_out when unset).
 # Each phase runs under `timeout` (PHASE_TIMEOUT seconds, default 540) so that a slow phase still leaves its log.
 # The H200 image's python3 has jax 0.11.2, pytest and hypothesis; the project runs from the tree via PYTHONPATH.
@@ -37,6 +42,17 @@ phases=("$@"); [[ ${#phases[@]} -eq 0 || ${phases[0]} == all ]] && \
   phases=(tests-quant tests-gemm tests-linear bench)
 for phase in "${phases[@]}"; do
   case $phase in
+    tests-all)
+      workers=${TEST_WORKERS:-4}
+      timeout "$limit" python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
+        -n "$workers" "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" > "$out/tests_gemm.log" 2>&1 &
+      gemm_pid=$!
+      JAXFP8_FUZZ_PROFILE=gpu run tests_quant_linear_fuzz python3 -m pytest tests/test_quant.py \
+        tests/test_quant_mosaic.py tests/test_linear.py tests/test_weights.py tests/test_nn.py tests/test_sharding.py \
+        tests/test_fuzz.py tests/test_extremes.py -n "$((workers + 2))" "${pytest_args[@]}" \
+        --junitxml="$out/tests_quant_linear_fuzz.junit.xml"
+      wait "$gemm_pid" || { echo "=== tests_gemm exited $?"; status=1; }
+      tail -n 15 "$out/tests_gemm.log" ;;
     tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \
                    --junitxml="$out/tests_quant.junit.xml" ;;
     tests-gemm) run tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
@@ -47,6 +63,7 @@ for phase in "${phases[@]}"; do
              --m=1,16,64,256,1024,4096 --time_budget_s=420} --out="$out/bench_h200.json" ;;
     bench-quant) run bench_quant python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
+    tune) run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
     bench-linear) run bench_linear python3 -m jaxfp8.bench_linear --out="$out/linear_h200.json" ;;
     fuzz-gpu) JAXFP8_FUZZ_PROFILE=gpu run fuzz_gpu python3 -m pytest tests/test_fuzz.py tests/test_extremes.py \
                 "${pytest_args[@]}" --junitxml="$out/fuzz_gpu.junit.xml" ;;
