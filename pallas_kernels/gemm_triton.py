@@ -38,6 +38,8 @@ MIN_DOT_MN = 16
 MIN_DOT_K = 32
 # Hopper's FP8 MMAs accumulate with about 14 bits: a dot's partial sum goes into the f32 accumulator at least this often.
 MAX_DOT_K = 128
+# Shared memory one block may use on sm_90 (227 KiB); Triton keeps num_stages copies of the A and B tiles there.
+MAX_SHARED_MEMORY_BYTES = 232448
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,11 @@ def config_problems(config: TritonGemmConfig, block_size: tuple[int, int]) -> li
         f"f32 accumulator at least every {MAX_DOT_K} K: use block_k <= {MAX_DOT_K}")
   elif bk > gk and not _is_power_of_two(gk):
     problems.append(f"block_k={bk} > gk={gk} needs a power-of-two gk (each group is its own Triton block)")
+  smem = config.num_stages * (config.block_m + config.block_n) * bk  # the pipelined fp8 A and B tiles
+  if smem > MAX_SHARED_MEMORY_BYTES:
+    problems.append(
+        f"num_stages={config.num_stages} x (block_m + block_n) x block_k = {smem} bytes of pipelined FP8 tiles, more "
+        f"than the {MAX_SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block can have: use fewer stages")
   return problems
 
 
