@@ -23,13 +23,16 @@ def _cupti_ext():
   return mosaic_gpu_lib._mosaic_gpu_ext
 
 
-def cupti_times_us(
+def kernel_records(
     run: Callable[[int], Any], *, iterations: int, sync: Callable[[Any], None] = jax.block_until_ready,
     warmup: int = 2,
-) -> list[float]:
-  """Calls `run(i)` for i in range(iterations) under CUPTI; returns each call's summed kernel time in microseconds.
+) -> list[tuple[str, float]]:
+  """Calls `run(i)` for i in range(iterations) under CUPTI; returns every kernel launched, as (name, microseconds).
+  `sync` waits for what `run` returns.
 
-  `run` must launch the same kernels on every call. `sync` waits for what it returns.
+  CUPTI records the kernels of every GPU of the process, and jaxlib's recorder keeps only each kernel's name and
+  duration, not its device. With several GPUs the records of different devices interleave in the list, so only
+  totals over all calls (or per kernel name) mean something there, not slices per call.
   """
   ext = _cupti_ext()
   for i in range(warmup):
@@ -43,10 +46,22 @@ def cupti_times_us(
     timings = ext._cupti_get_timings(True)
   if not timings:
     raise RuntimeError("no kernel was recorded")
-  if len(timings) % iterations:
-    raise RuntimeError(f"{len(timings)} kernels recorded over {iterations} iterations: not the same kernels each call")
-  per_call = len(timings) // iterations
-  return [sum(t for _, t in timings[i * per_call:(i + 1) * per_call]) * 1e3 for i in range(iterations)]
+  return [(name, ms * 1e3) for name, ms in timings]
+
+
+def cupti_times_us(
+    run: Callable[[int], Any], *, iterations: int, sync: Callable[[Any], None] = jax.block_until_ready,
+    warmup: int = 2,
+) -> list[float]:
+  """Calls `run(i)` for i in range(iterations) under CUPTI; returns each call's summed kernel time in microseconds.
+
+  `run` must launch the same kernels on every call, on one GPU (see `kernel_records` for several).
+  """
+  records = kernel_records(run, iterations=iterations, sync=sync, warmup=warmup)
+  if len(records) % iterations:
+    raise RuntimeError(f"{len(records)} kernels recorded over {iterations} iterations: not the same kernels each call")
+  per_call = len(records) // iterations
+  return [sum(us for _, us in records[i * per_call:(i + 1) * per_call]) for i in range(iterations)]
 
 
 def median_kernel_us(

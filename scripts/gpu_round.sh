@@ -13,6 +13,8 @@
 #   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json (TUNE_ARGS overrides)
 #   bench-gemm    python -m jaxfp8 bench_gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set BENCH_GEMM_ARGS)
 #   bench-linear  python -m jaxfp8 bench_linear
+#   tp            python -m jaxfp8.bench_tp over every visible GPU (needs 2 or more): column- and row-parallel
+#                 DeepSeek-V3 linears checked against one GPU and timed against it (TP_ARGS; stops at 420 s)
 #   fuzz-gpu      tests/test_fuzz.py + tests/test_extremes.py with JAXFP8_FUZZ_PROFILE=gpu (not timed yet)
 #   reliability-determinism  scripts/determinism.py: 20 runs of every kernel, bit-identical (not timed yet)
 #   reliability-sanitize     scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/initcheck/synccheck over every
@@ -45,11 +47,11 @@ for phase in "${phases[@]}"; do
     tests-all)
       workers=${TEST_WORKERS:-4}
       timeout "$limit" python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
-        -n "$workers" "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" > "$out/tests_gemm.log" 2>&1 &
+        -n "$workers" -v "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" > "$out/tests_gemm.log" 2>&1 &
       gemm_pid=$!
       JAXFP8_FUZZ_PROFILE=gpu run tests_quant_linear_fuzz python3 -m pytest tests/test_quant.py \
         tests/test_quant_mosaic.py tests/test_linear.py tests/test_weights.py tests/test_nn.py tests/test_sharding.py \
-        tests/test_fuzz.py tests/test_extremes.py -n "$((workers + 2))" "${pytest_args[@]}" \
+        tests/test_fuzz.py tests/test_extremes.py -n "$((workers + 2))" -v "${pytest_args[@]}" \
         --junitxml="$out/tests_quant_linear_fuzz.junit.xml"
       wait "$gemm_pid" || { echo "=== tests_gemm exited $?"; status=1; }
       tail -n 15 "$out/tests_gemm.log" ;;
@@ -65,6 +67,7 @@ for phase in "${phases[@]}"; do
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
     tune) run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
     bench-linear) run bench_linear python3 -m jaxfp8.bench_linear --out="$out/linear_h200.json" ;;
+    tp) run bench_tp python3 -m jaxfp8.bench_tp --out="$out/tp_h200.json" ${TP_ARGS:-} ;;
     fuzz-gpu) JAXFP8_FUZZ_PROFILE=gpu run fuzz_gpu python3 -m pytest tests/test_fuzz.py tests/test_extremes.py \
                 "${pytest_args[@]}" --junitxml="$out/fuzz_gpu.junit.xml" ;;
     reliability-determinism) run determinism python3 scripts/determinism.py "$out/determinism_h200.json" ;;
