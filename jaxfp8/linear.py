@@ -212,11 +212,14 @@ def _quant_mosaic_error() -> str | None:
 
 
 def _default_reason(implementation: str, capability, interpret: bool, m_rows: int, n: int, k: int,
-                    block_size: tuple[int, int]) -> str:
+                    block_size: tuple[int, int], m_live: int) -> str:
   where = gemm._device_kind()
   if implementation == "mosaic":
     return f"Hopper GPU ({where}), N and K multiples of 128, block_size (128, 128): the Mosaic GPU kernel"
   if implementation == "triton":
+    if capability[0] == 9 and m_live <= gemm.TRITON_DECODE_MAX_M:
+      return (f"Hopper GPU ({where}), decode M={m_live} <= {gemm.TRITON_DECODE_MAX_M}: the tuned Triton kernel (measured "
+              "faster than the Mosaic small-M kernel there)")
     if capability[0] == 9:
       why = gemm.mosaic_unsupported_reason(m_rows, n, k, block_size) or (
           f"{gemm._MOSAIC_MODULE} cannot be imported ({gemm._mosaic_import_error()})")
@@ -273,20 +276,22 @@ class _Options:
 def _plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, options: _Options) -> LinearPlan:
   interpret = gemm._resolve_interpret(options.interpret)
   capability = gemm._capability()
-  # The rows the GEMM will see (>= 8 so that M itself never decides between Mosaic and Triton: the quantizer pads).
+  # The rows the Mosaic GEMM would see (>= 8: the quantizer pads), so that alignment never decides against Mosaic; the
+  # live rows decide only the decode rule (gemm.TRITON_DECODE_MAX_M).
   m_rows = max(_checks.round_up(max(m, 1), _MOSAIC_TMA_ROWS), _MOSAIC_TMA_ROWS)
   implementation = options.implementation
   if implementation == "mosaic" and (why := gemm.mosaic_unsupported_reason(m_rows, n, k, block_size)):
     raise ValueError(f"implementation='mosaic' cannot run a linear with N={n}, K={k}, block_size={block_size}: {why}; "
                      "use implementation='triton' or 'xla' (or None to choose)")
   resolved = gemm.resolve_implementation(
-      implementation, config=options.config, interpret=interpret, m=m_rows, n=n, k=k, block_size=block_size)
+      implementation, config=options.config, interpret=interpret, m=m_rows, n=n, k=k, block_size=block_size,
+      live_rows=max(m, 1))
   if implementation is not None:
     reason = f"implementation={implementation!r} was asked for"
   elif options.config is not None:
     reason = f"a {type(options.config).__name__} was given"
   else:
-    reason = _default_reason(resolved, capability, interpret, m_rows, n, k, block_size)
+    reason = _default_reason(resolved, capability, interpret, m_rows, n, k, block_size, max(m, 1))
   if resolved == "xla" and options.config is not None:
     raise ValueError(f"config applies to the 'triton' and 'mosaic' implementations, not 'xla'; got {options.config!r}")
 

@@ -218,10 +218,13 @@ def test_default_implementation_on_cpu_is_xla():
 
 
 @pytest.mark.parametrize("capability, m, n, k, block_size, expected", [
-    ((9, 0), 8, 256, 256, (128, 128), "mosaic"),
-    ((9, 0), 7, 256, 256, (128, 128), "triton"),     # M % 4 != 0
-    ((9, 0), 8, 200, 256, (128, 128), "triton"),     # N tail
-    ((9, 0), 8, 256, 256, (64, 64), "triton"),
+    ((9, 0), 8, 256, 256, (128, 128), "triton"),     # decode (M <= TRITON_DECODE_MAX_M): the tuned Triton kernel
+    ((9, 0), 16, 256, 256, (128, 128), "triton"),
+    ((9, 0), 20, 256, 256, (128, 128), "mosaic"),
+    ((9, 0), 4096, 256, 256, (128, 128), "mosaic"),
+    ((9, 0), 23, 256, 256, (128, 128), "triton"),    # M % 4 != 0
+    ((9, 0), 20, 200, 256, (128, 128), "triton"),    # N tail
+    ((9, 0), 20, 256, 256, (64, 64), "triton"),
     ((8, 9), 8, 256, 256, (128, 128), "triton"),
     ((9, 0), 8, 256, 256, (128, 16), "xla"),         # gk = 16: no Triton dot is narrow enough
     ((8, 0), 8, 256, 256, (128, 128), "xla"),        # no FP8 conversions
