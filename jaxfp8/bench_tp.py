@@ -26,10 +26,11 @@ Timing, per call of the layer, in microseconds (what each number is, is also wri
   kernel_us_*    GPU only: CUPTI kernel time. CUPTI records the kernels of every GPU of the process, without the GPU
                  (`timing.kernel_records`), so the sharded numbers are totals over all devices and calls, divided by
                  the calls and by P: the mean per device (every device runs the same SPMD program). Kernels are split
-                 by name into collectives (NCCL / all-reduce / all-gather ...) and compute; a collective kernel's time
-                 includes waiting for the other devices to arrive. Copies that are not kernels (peer memcpy) are not
-                 seen. For the single device the same sum (mean over calls), so that both are timed the same way.
-  speedup_*      single / sharded, for wall-clock and kernel time (P is the ideal).
+                 by name (`is_collective_kernel`) into collectives (NCCL's, XLA's own all-reduce / all-gather kernels
+                 and fusions such as psum_7_0_fusion_1) and compute; a collective kernel's time includes waiting for
+                 the other devices to arrive. Copies that are not kernels (peer memcpy) are not seen. For the single
+                 device the same sum (mean over calls), so that both are timed the same way.
+  speedup_*      single / sharded, for wall-clock, kernel and compute (kernel minus collective) time (P is the ideal).
 
 Which layers run in which mode (--parallel): "serving" (default) splits each layer as tensor-parallel serving does
 (sglang / Megatron: q_b_proj, kv_b_proj, q_proj_no_lora, gate_up column-parallel; o_proj, down row-parallel; the
@@ -41,11 +42,19 @@ low-rank q_a / kv_a projections stay replicated and are skipped), and shapes giv
     python -m jaxfp8.bench_tp --devices=2 --m=1,64,4096 --parallel=both --out=...
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
         python -m jaxfp8.bench_tp --shapes="512,256;256,512" --m=1,5 --out=/tmp/tp_cpu.json   # CPU: checks only
+    python -m jaxfp8.bench_tp --rerender=/tmp/tp_h200.json --out=benchmarks/tp_h200.json   # runs nothing
+
+--rerender re-derives a saved JSON with the current kernel classifier (the collective / compute split and the
+speedups, from the per-kernel records it holds; every measurement and check stays) and records that in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
+import hashlib
+import json
 import math
 import os
 import re
@@ -78,11 +87,14 @@ SERVING_PARALLEL: dict[str, str | None] = {
 }
 BF16_BOUND = 5e-3            # SPEC.md section 2: relative Frobenius error of a bf16 output vs the float64 reference
 ROW_VS_SINGLE_BOUND = 1e-3   # ours: see the module docstring
-# Kernel names of collectives: NCCL's (ncclDevKernel_AllReduce_Sum_f32_RING_LL, ...) and XLA's own; the lookbehind
-# keeps e.g. a "small_reduce" fusion out.
-COLLECTIVE_KERNEL = re.compile(
-    r"nccl|(?<![a-z])(all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all)|collective[-_]?permute",
-    re.IGNORECASE)
+# Kernel names of collectives: NCCL's (ncclDevKernel_AllReduce_Sum_f32_RING_LL...), and XLA's own all-reduce kernels
+# and collective fusions, named after the HLO op (all-reduce-start, stream_executor's AllReduceKernelImpl) or after the
+# JAX primitive behind it (psum_7_0_fusion_1: XLA's small all-reduce of a psum). A name token counts only where no
+# lowercase letter touches it on either side (camel case and digits may), so "small_reduce", a local gather
+# ("loop_gather_fusion"), a scatter ("input_scatter_fusion") or "cumsum" stay compute.
+_COLLECTIVE_TOKENS = (r"all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|collective[-_]?permute|"
+                      r"collective[-_]?broadcast|cross[-_]?replica[-_]?sum|psum|pmax|pmin|ppermute|pbroadcast")
+COLLECTIVE_KERNEL = re.compile(rf"(?i:nccl|nvshmem)|(?<![a-z])(?i:{_COLLECTIVE_TOKENS})(?![a-z])")
 CPU_WARNING = ("WARNING: no GPU here. The devices are simulated CPU devices: the checks are real, the wall-clock "
                "times and speedups say nothing about GPUs.")
 TIMING_NOTES = {
@@ -95,9 +107,16 @@ TIMING_NOTES = {
     "collective_us_per_device": "the part of kernel_us_per_device spent in kernels whose name looks like a collective "
                                 f"(/{COLLECTIVE_KERNEL.pattern}/); includes each device's wait for the others",
     "compute_us_per_device": "kernel_us_per_device - collective_us_per_device: quantizer, GEMM, casts, copies",
-    "kernels": "per kernel name: launches per call and us per call, summed over all devices",
-    "speedup_wall, speedup_kernel": "single-device time / sharded time (the ideal is the device count)",
+    "kernels": "per kernel name: launches per call and us per call, summed over all devices; collective: whether it "
+               "counts in collective_us_per_device",
+    "speedup_wall, speedup_kernel, speedup_compute": "single-device time / sharded time (the ideal is the device "
+                                                     "count): wall clock, all kernels, kernels without collectives",
 }
+
+
+def is_collective_kernel(name: str) -> bool:
+  """Whether a CUPTI kernel name is a collective's (see COLLECTIVE_KERNEL)."""
+  return COLLECTIVE_KERNEL.search(name) is not None
 
 
 # ---- what runs ---------------------------------------------------------------------------------------------------
@@ -289,9 +308,9 @@ def kernel_time(fn: Callable, arg_sets: Sequence[tuple], *, iterations: int, dev
     entry[0] += 1
     entry[1] += us
   total = sum(us for _, us in records) / iterations
-  collective = sum(us for name, (_, us) in by_name.items() if COLLECTIVE_KERNEL.search(name)) / iterations
+  collective = sum(us for name, (_, us) in by_name.items() if is_collective_kernel(name)) / iterations
   kernels = [dict(name=name, launches_per_call=count / iterations, us_per_call_all_devices=us / iterations,
-                  collective=bool(COLLECTIVE_KERNEL.search(name)))
+                  collective=is_collective_kernel(name))
              for name, (count, us) in sorted(by_name.items(), key=lambda item: -item[1][1])]
   out = dict(kernel_us_per_device=total / devices, collective_us_per_device=collective / devices,
              compute_us_per_device=(total - collective) / devices, kernel_launches_per_call=len(records) / iterations,
@@ -317,6 +336,8 @@ def _add_speedups(row: dict, single: dict) -> None:
     row["speedup_wall"] = single["wall_us"] / row["wall_us"]
   if "kernel_us_per_device" in row and "kernel_us_per_device" in single:
     row["speedup_kernel"] = single["kernel_us_per_device"] / row["kernel_us_per_device"]
+    if row["compute_us_per_device"] > 0:
+      row["speedup_compute"] = single["compute_us_per_device"] / row["compute_us_per_device"]
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -463,6 +484,67 @@ def run(
   return result
 
 
+# ---- re-deriving a saved result ----------------------------------------------------------------------------------
+
+RECOMPUTED = ("kernels[].collective", "collective_us_per_device", "compute_us_per_device", "speedup_wall",
+              "speedup_kernel", "speedup_compute", "timing_notes")
+
+
+def rederive(result: dict) -> tuple[dict, dict[str, bool]]:
+  """A copy of `result` (a saved JSON of `run`) with every per-kernel record reclassified by `is_collective_kernel`,
+  and the fields of RECOMPUTED derived again from the records; what was measured (wall_us, kernel_us_per_device, the
+  records' launches and times) and the checks are left as they are. Also returns the kernel names whose class
+  changed, with their new class."""
+  out = copy.deepcopy(result)
+  reclassified: dict[str, bool] = {}
+  for row in out["rows"]:
+    if "kernels" not in row:
+      continue
+    devices = row["devices"]
+    total = sum(k["us_per_call_all_devices"] for k in row["kernels"]) / devices
+    if not math.isclose(total, row["kernel_us_per_device"], rel_tol=1e-9, abs_tol=1e-9):
+      raise ValueError(f"{row['shape']} M={row['m']} {row['mode']}: its kernel records sum to {total} us per device, "
+                       f"not its kernel_us_per_device={row['kernel_us_per_device']}: the records are incomplete")
+    for kernel in row["kernels"]:
+      collective = is_collective_kernel(kernel["name"])
+      if kernel.get("collective") != collective:
+        reclassified[kernel["name"]] = collective
+      kernel["collective"] = collective
+    row["collective_us_per_device"] = sum(
+        k["us_per_call_all_devices"] for k in row["kernels"] if k["collective"]) / devices
+    row["compute_us_per_device"] = row["kernel_us_per_device"] - row["collective_us_per_device"]
+  singles = {(r["shape"], r["m"]): r for r in out["rows"] if r["mode"] == "single" and r["timed"]}
+  for row in out["rows"]:
+    if row["mode"] != "single" and row["timed"]:
+      for key in ("speedup_wall", "speedup_kernel", "speedup_compute"):
+        row.pop(key, None)
+      _add_speedups(row, singles.get((row["shape"], row["m"]), {}))
+  out["timing_notes"] = dict(TIMING_NOTES)
+  return out, reclassified
+
+
+def rerender(in_json: str, out_json: str, *, command: str, log=print) -> dict:
+  """Re-derives the results saved in `in_json` (`rederive`) and writes them to `out_json` and its markdown table; the
+  JSON's "rederived" list gains a record of this: the source file and its sha256, when, the command, the classifier,
+  what was reclassified and what was recomputed. The run's own command, date and measurements stay."""
+  with open(in_json, "rb") as f:
+    raw = f.read()
+  result, reclassified = rederive(json.loads(raw))
+  result.setdefault("rederived", []).append(dict(
+      source=in_json, source_sha256=hashlib.sha256(raw).hexdigest(),
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(), command=command,
+      collective_kernel_pattern=COLLECTIVE_KERNEL.pattern,
+      reclassified=[dict(name=name, collective=collective) for name, collective in sorted(reclassified.items())],
+      recomputed=list(RECOMPUTED),
+      measurements="unchanged: every wall-clock and kernel time, per-kernel record and check is the source's"))
+  _bench_io.write_results(result, out_json, markdown_table)
+  log(markdown_table(result))
+  log(f"re-derived {in_json} ({len(reclassified)} kernel names reclassified: "
+      f"{', '.join(f'{n} -> {"collective" if c else "compute"}' for n, c in sorted(reclassified.items())) or '-'}); "
+      f"wrote {out_json} and {out_json.removesuffix('.json')}.md")
+  return result
+
+
 # ---- tables ------------------------------------------------------------------------------------------------------
 
 def _us(value: float | None) -> str:
@@ -497,22 +579,49 @@ def format_row(row: dict) -> str:
       timed += f"  speedup wall x{row['speedup_wall']:.2f}"
     if "speedup_kernel" in row:
       timed += f" kernel x{row['speedup_kernel']:.2f}"
+    if "speedup_compute" in row:
+      timed += f" compute x{row['speedup_compute']:.2f}"
   return f"{head} {_checks_cell(row):<28} ref err {err:8.1e}{timed}"
+
+
+def _wall_note(result: dict) -> str:
+  """What the wall-clock columns measure; with kernel times, how much of them is the GPUs' work (the fastest call)."""
+  p = result["device_count"]
+  note = ("Wall-clock columns are host-side: the median of one jitted call + block_until_ready, Python dispatch and "
+          f"the launch of the {p}-device program included.")
+  timed = [r for r in result["rows"] if r["timed"] and "kernel_us_per_device" in r]
+  fastest = [min(rows, key=lambda r: r["wall_us"]) for rows in ([r for r in timed if r["mode"] == "single"],
+                                                                [r for r in timed if r["mode"] != "single"]) if rows]
+  if fastest:
+    note += (" At these sizes that overhead dominates (fastest call: " + "; ".join(
+        f"{r['devices']} dev {r['wall_us']:.1f} us wall for {r['kernel_us_per_device']:.1f} us of kernels"
+        f"{' per device' if r['devices'] > 1 else ''}" for r in fastest) +
+        "), so the kernel columns (CUPTI) are the ones that compare the GPUs' work.")
+  return note
 
 
 def markdown_table(result: dict) -> str:
   p = result["device_count"]
   lines = [f"Tensor-parallel block-FP8 linears on {p} x {result['device']} vs one, jax {result['jax_version']}, "
            f"{result['date'][:10]}{'' if result['complete'] else ' (INCOMPLETE run: time budget)'}; "
-           f"{result['timing']}. Speedup = 1 device / {p} devices (ideal {p}). Kernel time per device = CUPTI sum "
-           "over all devices / devices; 'coll.' = collective kernels (they include waiting for the other devices). "
-           f"Checks: {'all passed' if result['checks_passed'] else '**FAILURES**'}.", "",
+           f"{result['timing']}. Checks: {'all passed' if result['checks_passed'] else '**FAILURES**'}.", "",
+           _wall_note(result), "",
+           f"Speedup = 1 device / {p} devices (ideal {p}). Kernel time per device = CUPTI sum over all devices / "
+           f"{p}; 'coll.' = its collective kernels (NCCL's and XLA's own all-reduce / all-gather; they include "
+           "waiting for the other devices); compute speedup = the same without them.", "",
            f"Command: `{result['command']}`", ""]
+  for entry in result.get("rederived", [])[-1:]:
+    changed = ", ".join(f"`{k['name']}` -> {'collective' if k['collective'] else 'compute'}"
+                        for k in entry["reclassified"]) or "none"
+    lines += [f"Re-derived {entry['date'][:10]} from `{entry['source']}` (`{entry['command']}`): kernels reclassified "
+              f"by the current collective classifier (changed: {changed}), times per device and speedups "
+              "recomputed; the measurements are the original run's.", ""]
   if result.get("cpu_warning"):
     lines += [f"**{result['cpu_warning']}**", ""]
   lines += ["| shape | M | N | K | mode | path per device | wall us, 1 dev | wall us, "
-            f"{p} dev | wall speedup | kernel us, 1 dev | kernel us per dev (coll.) | kernel speedup | checks |",
-            "|" + "---|" * 13]
+            f"{p} dev | wall speedup | kernel us, 1 dev | kernel us per dev (coll.) | kernel speedup | "
+            "compute speedup | checks |",
+            "|" + "---|" * 14]
   singles = {(r["shape"], r["m"]): r for r in result["rows"] if r["mode"] == "single" and not r["bias"]}
   for r in result["rows"]:
     if r["mode"] == "single" and not r["bias"]:
@@ -527,7 +636,8 @@ def markdown_table(result: dict) -> str:
         f"| {r['shape']} | {r['m']} | {r['n']} | {r['k']} | {mode} | {path} | {_us(single.get('wall_us'))} | "
         f"{_us(r.get('wall_us'))} | {f'{r['speedup_wall']:.2f}x' if 'speedup_wall' in r else '-'} | "
         f"{_us(single.get('kernel_us_per_device'))} | {kernel} | "
-        f"{f'{r['speedup_kernel']:.2f}x' if 'speedup_kernel' in r else '-'} | {_checks_cell(r)} |")
+        f"{f'{r['speedup_kernel']:.2f}x' if 'speedup_kernel' in r else '-'} | "
+        f"{f'{r['speedup_compute']:.2f}x' if 'speedup_compute' in r else '-'} | {_checks_cell(r)} |")
   if result["skipped"]:
     lines += ["", "Skipped: " + "; ".join(f"{s['shape']} {s['parallel'] or ''} ({s['reason']})"
                                           for s in result["skipped"])]
@@ -540,7 +650,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(prog="python -m jaxfp8.bench_tp", description=__doc__.split("\n")[0])
-  parser.add_argument("--out", default="benchmarks/tp_h200.json", help="results JSON (a .md table goes beside it)")
+  parser.add_argument("--out", default=None,
+                      help="results JSON (a .md table goes beside it; default benchmarks/tp_h200.json)")
+  parser.add_argument("--rerender", default=None, metavar="IN.json",
+                      help="run nothing: re-derive the saved results IN.json with the current kernel classifier and "
+                           "write them to --out (required) and its table")
   parser.add_argument("--devices", type=int, default=None, help="devices of the mesh (default: every local device)")
   parser.add_argument("--m", default=",".join(map(str, DEFAULT_MS)), help="comma-separated M (default %(default)s)")
   parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -554,6 +668,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       help="start no new case after this many seconds (0: no limit; default %(default)s)")
   parser.add_argument("--seed", type=int, default=None)
   args = parser.parse_args(argv)
+  command = "python -m jaxfp8.bench_tp " + " ".join(argv)
+  if args.rerender:
+    run_options = [f"--{name}" for name, value in vars(args).items()
+                   if name not in ("out", "rerender") and value != parser.get_default(name)]
+    if not args.out:
+      parser.error("--rerender needs --out: where the re-derived JSON goes")
+    if run_options:
+      parser.error(f"--rerender runs nothing: {' '.join(run_options)} would have no effect")
+    return rerender(args.rerender, args.out, command=command)
+  args.out = args.out or "benchmarks/tp_h200.json"
   available = len(jax.local_devices())
   devices = available if args.devices is None else args.devices
   if available < 2 or not 2 <= devices <= available:
@@ -563,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   shape_list = bench.parse_shapes(args.shapes) if args.shapes else bench.model_shapes(args.models.split(","))
   return run(shape_list, [int(v) for v in args.m.split(",")], args.out, devices=devices, parallel=args.parallel,
              iterations=args.iterations, implementation=args.implementation, time_budget_s=args.time_budget_s or None,
-             seed=args.seed, command="python -m jaxfp8.bench_tp " + " ".join(argv))
+             seed=args.seed, command=command)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 On CPU the command runs end to end in a subprocess on 2 simulated devices (XLA_FLAGS must be set before JAX starts)
 on tiny shapes: the XLA path as dispatch picks it, and the Triton kernels interpreted. The checks themselves are shown
-to fail on wrong outputs in this process (one device). The GPU test runs the real command over every local GPU.
+to fail on wrong outputs in this process (one device). The kernel-name classifier is tested on the names CUPTI gave on
+2 H200s, and --rerender on a small synthetic result. The GPU test runs the real command over every local GPU.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import os
 import subprocess
@@ -87,7 +90,8 @@ def test_command_on_two_simulated_cpu_devices(tmp_path):
   assert "N=256, K=256" in plans["512x256", "column"] and "N=512, K=128" in plans["512x256", "row"]
   assert "out float32" in plans["512x256", "row"] and "N=512, K=256" in plans["512x256", "single"]
   md = (tmp_path / "tp_cpu.md").read_text()
-  assert "Checks: all passed" in md and "simulated CPU devices" in md
+  assert "Checks: all passed" in md and "simulated CPU devices" in md and "Wall-clock columns are host-side" in md
+  assert "overhead dominates" not in md  # no kernel times on CPU to say it with
   table = [line for line in md.splitlines() if line.startswith("| 512x256") or line.startswith("| 256x512")]
   assert len(table) == len(result["rows"]) - 4  # the timed single rows live in the sharded rows' 1-device columns
 
@@ -163,6 +167,144 @@ def test_compare_counts_bits_and_errors():
   np.testing.assert_allclose(stats["rel_err"], 3.0 / np.linalg.norm(np.arange(12)), rtol=1e-6)
 
 
+# Every kernel name CUPTI reported in a 2 x H200 run of `python -m jaxfp8.bench_tp --m=1,64,1024` (jax 0.11.2).
+# Row-parallel psum ran as XLA's own kernel at M=1 and 64 (psum_7_0_fusion_1) and through NCCL at M=1024.
+H200_COLLECTIVE_KERNELS = [
+    "_Z31ncclDevKernel_AllGather_RING_LL24ncclDevKernelArgsStorageILm4096EE",
+    "_Z39ncclDevKernel_AllReduce_Sum_f32_RING_LL24ncclDevKernelArgsStorageILm4096EE",
+    "psum_7_0_fusion_1",
+]
+H200_COMPUTE_KERNELS = ["body_mosaic_gpu_kernel", "per_token_group_quant_fp8_mosaic_gpu_kernel", "wrapped_convert",
+                        "loop_transpose_fusion"]
+
+
+def test_collective_kernel_names():
+  # Names of the shapes XLA and NCCL give collectives: HLO ops, stream_executor's all-reduce kernel, JAX primitives.
+  collective = H200_COLLECTIVE_KERNELS + [
+      "all-reduce-start.1", "all-gather-start", "reduce-scatter.3", "all-to-all", "ragged-all-to-all",
+      "collective-permute-done", "all_gather_fusion", "psum_scatter_2_fusion", "ppermute_fusion", "pmax_4_0_fusion",
+      "psum.7", "ncclKernel_AllReduce_RING_LL_Sum_float", "_ZN15stream_executor3gpu19AllReduceKernelImplIfLN3xla13Red"]
+  # Compute whose names hold a collective's letters: a local gather or scatter, small_reduce, cumsum, slices.
+  compute = H200_COMPUTE_KERNELS + [
+      "loop_gather_fusion", "input_scatter_fusion", "small_reduce_fusion", "input_reduce_fusion", "cumsum_fusion",
+      "wrapped_slice", "loop_dynamic_slice_fusion", "loop_dynamic_update_slice_fusion", "gemm_fusion_dot_1",
+      "loop_broadcast_fusion", "wrapped_concatenate", "all_gathered_copy", "sm90_xmma_gemm_e4m3bf16_f32_tn_n"]
+  assert [n for n in collective if not bench_tp.is_collective_kernel(n)] == []
+  assert [n for n in compute if bench_tp.is_collective_kernel(n)] == []
+
+
+def _kernel(name: str, us: float, collective: bool) -> dict:
+  return dict(name=name, launches_per_call=2.0, us_per_call_all_devices=us, collective=collective)
+
+
+def _row(shape: str, m: int, mode: str, *, wall: float | None = None, kernels: list[dict] | None = None,
+         devices: int = 2, bias: bool = False) -> dict:
+  """A results row as `run` writes it, with the collective split of the classifier that missed XLA's psum."""
+  row = dict(shape=shape, n=512, k=256, m=m, mode=mode, parallel=None if mode == "single" else mode.split("_")[0],
+             devices=devices, gather_output=mode == "column_gather", bias=bias, timed=not bias,
+             checks=[dict(name="finite", value=0, bound=0, passed=True, about="")], plan="p", implementation="mosaic",
+             quant_implementation="mosaic", passed=True)
+  if mode == "row":
+    row["rel_err_vs_single"] = 1e-5
+  if wall is not None:
+    row["wall_us"] = wall
+  if kernels is not None:
+    total = sum(k["us_per_call_all_devices"] for k in kernels) / devices
+    collective = sum(k["us_per_call_all_devices"] for k in kernels if k["collective"]) / devices
+    row.update(kernel_us_per_device=total, collective_us_per_device=collective,
+               compute_us_per_device=total - collective, kernel_launches_per_call=2.0 * len(kernels), kernels=kernels)
+  return row
+
+
+def _saved_result() -> dict:
+  """A small result of a 2-GPU run, speedups as `run` computed them, psum_7_0_fusion_1 counted as compute."""
+  rows = [
+      _row("A", 64, "single", wall=100.0, devices=1,
+           kernels=[_kernel("body_mosaic_gpu_kernel", 34.0, False),
+                    _kernel("per_token_group_quant_fp8_mosaic_gpu_kernel", 3.0, False)]),
+      _row("A", 64, "row", wall=125.0,
+           kernels=[_kernel("body_mosaic_gpu_kernel", 40.0, False), _kernel("psum_7_0_fusion_1", 34.0, False),
+                    _kernel("per_token_group_quant_fp8_mosaic_gpu_kernel", 4.0, False),
+                    _kernel("wrapped_convert", 2.0, False)]),
+      _row("A", 64, "row", bias=True),
+      _row("B", 1, "single", wall=90.0, devices=1, kernels=[_kernel("body_mosaic_gpu_kernel", 10.0, False)]),
+      _row("B", 1, "column", wall=120.0),  # its kernel times failed: wall clock only
+      _row("B", 1, "column_gather", wall=200.0,
+           kernels=[_kernel(H200_COLLECTIVE_KERNELS[0], 20.0, True), _kernel("body_mosaic_gpu_kernel", 12.0, False),
+                    _kernel("loop_transpose_fusion", 4.0, False)]),
+  ]
+  rows[4]["kernel_error"] = "RuntimeError: CUPTI"
+  singles = {r["shape"]: r for r in rows if r["mode"] == "single"}
+  for r in rows:
+    if r["mode"] != "single" and r["timed"]:
+      bench_tp._add_speedups(r, singles[r["shape"]])
+      r.pop("speedup_compute", None)  # the old run did not write it
+  return dict(benchmark="tp", command="python -m jaxfp8.bench_tp --out=/tmp/r/tp.json --m=1,64",
+              date="2026-11-28T10:00:00+00:00", device="NVIDIA H200", jax_version="0.11.2", platform="gpu",
+              device_count=2, timing="wall clock (median) and CUPTI kernel time (mean) of 30 calls",
+              timing_notes={"old": "notes"}, cpu_warning=None, skipped=[], complete=True, checks_passed=True,
+              failures=[], rows=rows)
+
+
+def test_rerender_reclassifies_a_saved_result(tmp_path):
+  saved = _saved_result()
+  src = tmp_path / "saved.json"
+  src.write_text(json.dumps(saved, indent=1))
+  raw = src.read_bytes()
+  out = tmp_path / "out" / "tp.json"
+  args = [f"--rerender={src}", f"--out={out}"]
+  result = bench_tp.main(args)  # on one device: --rerender needs no mesh
+  assert src.read_bytes() == raw and json.loads(out.read_text()) == result
+  rows = result["rows"]
+  # The row-parallel psum fusion is now a collective: 34 us over 2 devices of the 40 us per device.
+  assert [k["collective"] for k in rows[1]["kernels"]] == [False, True, False, False]
+  assert rows[1]["collective_us_per_device"] == 17.0 and rows[1]["compute_us_per_device"] == 23.0
+  assert rows[1]["speedup_kernel"] == 37.0 / 40.0 and rows[1]["speedup_compute"] == 37.0 / 23.0
+  assert rows[1]["speedup_wall"] == 100.0 / 125.0
+  assert rows[5]["collective_us_per_device"] == 10.0 and rows[5]["speedup_compute"] == 10.0 / 8.0
+  assert "speedup_kernel" not in rows[4] and rows[4]["speedup_wall"] == 90.0 / 120.0
+  # Nothing measured or checked changed, nor the run's own record.
+  for before, after in zip(saved["rows"], rows, strict=True):
+    recomputed = {"kernels", "collective_us_per_device", "compute_us_per_device", "speedup_compute"}
+    assert {k: v for k, v in before.items() if k not in recomputed} == {
+        k: v for k, v in after.items() if k not in recomputed}
+    for k_before, k_after in zip(before.get("kernels", []), after.get("kernels", []), strict=True):
+      assert {**k_before, "collective": None} == {**k_after, "collective": None}
+  assert {k: v for k, v in result.items() if k not in ("rows", "timing_notes", "rederived")} == {
+      k: v for k, v in saved.items() if k not in ("rows", "timing_notes")}
+  assert result["timing_notes"] == bench_tp.TIMING_NOTES
+  [record] = result["rederived"]
+  assert record["source"] == str(src) and record["source_sha256"] == hashlib.sha256(raw).hexdigest()
+  assert record["command"] == "python -m jaxfp8.bench_tp " + " ".join(args)
+  assert record["reclassified"] == [dict(name="psum_7_0_fusion_1", collective=True)]
+  assert record["measurements"].startswith("unchanged")
+  assert datetime.datetime.fromisoformat(record["date"]) > datetime.datetime.fromisoformat(saved["date"])
+  md = out.with_suffix(".md").read_text()
+  assert f"Command: `{saved['command']}`" in md and f"from `{src}`" in md and "`psum_7_0_fusion_1` -> collective" in md
+  assert "Wall-clock columns are host-side" in md
+  # The fastest calls that have kernel times (B column, 120 us, has none).
+  assert "1 dev 90.0 us wall for 10.0 us of kernels; 2 dev 125.0 us wall for 40.0 us of kernels per device" in md
+  assert "| A | 64 | 512 | 256 | row | mosaic+mosaic | 100.0 | 125.0 | 0.80x | 37.0 | 40.0 (17.0) | 0.93x | 1.61x |" in md
+  # Again on its own output: the same numbers, nothing left to reclassify, a second record.
+  again = bench_tp.main([f"--rerender={out}", f"--out={tmp_path / 'again.json'}"])
+  assert again["rows"] == rows and len(again["rederived"]) == 2 and again["rederived"][1]["reclassified"] == []
+
+
+def test_rerender_refuses_what_it_cannot_do(tmp_path, capsys):
+  src = tmp_path / "saved.json"
+  src.write_text(json.dumps(_saved_result()))
+  for args, message in (([f"--rerender={src}"], "--rerender needs --out"),
+                        ([f"--rerender={src}", "--out=x.json", "--m=1"], "--m would have no effect")):
+    with pytest.raises(SystemExit) as exit_info:
+      bench_tp.main(args)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+  broken = _saved_result()
+  broken["rows"][1]["kernels"].pop()  # records that no longer add up to the measured total
+  with pytest.raises(ValueError, match="A M=64 row: its kernel records sum to 39.0 us per device"):
+    bench_tp.rederive(broken)
+  assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.skipif(len(jax.local_devices()) >= 2, reason="this process has several devices")
 def test_refuses_a_single_device(tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_info:
@@ -197,3 +339,5 @@ def test_tensor_parallel_on_every_gpu(tmp_path):
       assert "kernel_us_per_device" in r or (r["mode"] != "single" and "kernel_error" in r), r
       if "kernel_us_per_device" in r and r["mode"] in ("row", "column_gather"):
         assert r["collective_us_per_device"] > 0, r["kernels"]
+      if "kernel_us_per_device" in r and r["mode"] in ("single", "column"):  # nothing to communicate
+        assert r["collective_us_per_device"] == 0, r["kernels"]
