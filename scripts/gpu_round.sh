@@ -2,8 +2,9 @@
 # The standard GPU round. One device call can hold about 10 minutes, so the round is split into phases:
 #   scripts/gpu_round.sh PHASE [PHASE ...]        e.g.  scripts/gpu_round.sh tests-quant bench-quant
 # Phases (rough H200 wall times measured 2026-11-29):
-#   tests-all     every GPU test below (quant, GEMM, linear, fuzz-gpu) at once in two pytest-xdist groups sharing the
-#                 GPU (TEST_WORKERS, default 4, and 2 more; the image has pytest-xdist): compiling is the slow part
+#   tests-all     the quant, GEMM, linear and extremes tests at once in two pytest-xdist groups sharing the GPU
+#                 (TEST_WORKERS, default 4, and 2 more; the image has pytest-xdist): compiling is the slow part.
+#                 2026-11-29 on an H200 with TEST_WORKERS=8: GEMM group 3 min, quant+linear group 3.5 min
 #   tests-quant   tests/test_quant.py + tests/test_quant_mosaic.py natively (~4-5 min)
 #   tests-gemm    GPU-marked GEMM tests, Triton and Mosaic (> 4 min)
 #   tests-linear  linear, weights, nn, sharding tests
@@ -15,7 +16,8 @@
 #   bench-linear  python -m jaxfp8 bench_linear
 #   tp            python -m jaxfp8.bench_tp over every visible GPU (needs 2 or more): column- and row-parallel
 #                 DeepSeek-V3 linears checked against one GPU and timed against it (TP_ARGS; stops at 420 s)
-#   fuzz-gpu      tests/test_fuzz.py + tests/test_extremes.py with JAXFP8_FUZZ_PROFILE=gpu (not timed yet)
+#   fuzz-gpu      tests/test_fuzz.py with JAXFP8_FUZZ_PROFILE=gpu, TEST_WORKERS (default 8) xdist workers
+#                 (> 5 min with 10 workers: give it a device call, or a GPU, of its own)
 #   reliability-determinism  scripts/determinism.py: 20 runs of every kernel, bit-identical (not timed yet)
 #   reliability-sanitize     scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/initcheck/synccheck over every
 #                            kernel (slow: set SANITIZE_TOOLS="memcheck" etc. to split it over device calls)
@@ -40,6 +42,9 @@ run() {  # run NAME COMMAND...: log to $out/NAME.log, keep going on failure
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
 } > "$out/env.log" 2>&1
 pytest_args=(-q -rs -p no:cacheprovider)
+# tests-all: one line per test as it finishes (-v; with -q they cancel out), so a run cut by its time limit still
+# names its failures; short tracebacks at the end.
+parallel_args=(-v --tb=short -rfs -p no:cacheprovider)
 phases=("$@"); [[ ${#phases[@]} -eq 0 || ${phases[0]} == all ]] && \
   phases=(tests-quant tests-gemm tests-linear bench)
 for phase in "${phases[@]}"; do
@@ -47,12 +52,11 @@ for phase in "${phases[@]}"; do
     tests-all)
       workers=${TEST_WORKERS:-4}
       timeout "$limit" python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
-        -n "$workers" -v "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" > "$out/tests_gemm.log" 2>&1 &
+        -n "$workers" "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml" > "$out/tests_gemm.log" 2>&1 &
       gemm_pid=$!
-      JAXFP8_FUZZ_PROFILE=gpu run tests_quant_linear_fuzz python3 -m pytest tests/test_quant.py \
-        tests/test_quant_mosaic.py tests/test_linear.py tests/test_weights.py tests/test_nn.py tests/test_sharding.py \
-        tests/test_fuzz.py tests/test_extremes.py -n "$((workers + 2))" -v "${pytest_args[@]}" \
-        --junitxml="$out/tests_quant_linear_fuzz.junit.xml"
+      run tests_quant_linear python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py tests/test_linear.py \
+        tests/test_weights.py tests/test_nn.py tests/test_sharding.py tests/test_extremes.py -n "$((workers + 2))" \
+        "${parallel_args[@]}" --junitxml="$out/tests_quant_linear.junit.xml"
       wait "$gemm_pid" || { echo "=== tests_gemm exited $?"; status=1; }
       tail -n 15 "$out/tests_gemm.log" ;;
     tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \
@@ -68,8 +72,8 @@ for phase in "${phases[@]}"; do
     tune) run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
     bench-linear) run bench_linear python3 -m jaxfp8.bench_linear --out="$out/linear_h200.json" ;;
     tp) run bench_tp python3 -m jaxfp8.bench_tp --out="$out/tp_h200.json" ${TP_ARGS:-} ;;
-    fuzz-gpu) JAXFP8_FUZZ_PROFILE=gpu run fuzz_gpu python3 -m pytest tests/test_fuzz.py tests/test_extremes.py \
-                "${pytest_args[@]}" --junitxml="$out/fuzz_gpu.junit.xml" ;;
+    fuzz-gpu) JAXFP8_FUZZ_PROFILE=gpu run fuzz_gpu python3 -m pytest tests/test_fuzz.py -n "${TEST_WORKERS:-8}" \
+                "${parallel_args[@]}" --junitxml="$out/fuzz_gpu.junit.xml" ;;
     reliability-determinism) run determinism python3 scripts/determinism.py "$out/determinism_h200.json" ;;
     reliability-sanitize) OUT=$out run sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-} ;;
     *) echo "unknown phase $phase"; status=2 ;;
