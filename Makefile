@@ -24,7 +24,7 @@ bench-cpu: $(VENV)/.installed
 
 # The PNG beside every committed results JSON, regenerated from the JSON alone.
 plots: $(VENV)/.installed
-	for json in benchmarks/bench_*.json benchmarks/quant_*.json; do $(PY) -m jaxfp8 plot --json=$$json --out=$${json%.json}.png || exit 1; done
+	for json in benchmarks/bench_*.json benchmarks/quant_*.json benchmarks/tp_*.json; do $(PY) -m jaxfp8 plot --json=$$json --out=$${json%.json}.png || exit 1; done
 
 # Rewrite notebooks/*.ipynb (outputs stripped) from notebooks/make_notebooks.py.
 notebooks: $(VENV)/.installed

@@ -1,7 +1,8 @@
 """Plots of benchmark JSON: throughput against M, one line per implementation, one panel per shape.
 
-Reads the JSON of `python -m jaxfp8 bench` (GEMM: TFLOP/s; quantizer only: GB/s), of `bench_gemm` (TFLOP/s) and of
-`bench_quant` (GB/s, with the copy bandwidth measured in the same run as a dashed line):
+Reads the JSON of `python -m jaxfp8 bench` (GEMM: TFLOP/s; quantizer only: GB/s), of `bench_gemm` (TFLOP/s), of
+`bench_quant` (GB/s, with the copy bandwidth measured in the same run as a dashed line) and of `bench_tp` (the
+sharded layer's kernel-time speedup over one GPU, per mode):
 
     python -m jaxfp8 plot --json=benchmarks/quant_h200.json --out=benchmarks/quant_h200.png
 
@@ -27,6 +28,9 @@ def series(result: dict) -> tuple[str, dict[str, dict[str, list[tuple[int, float
     metric, label = ("gbps", "GB/s") if op == "quant" else ("tflops", "TFLOP/s")
     label = f"{op}: {label}"
     name_of = lambda r: r["implementation"]
+  elif rows and "mode" in rows[0]:  # bench_tp: kernel-time speedup of the sharded layer over one GPU
+    rows = [r for r in rows if r.get("timed") and r.get("speedup_kernel") is not None]
+    metric, label, name_of = "speedup_kernel", "speedup over 1 GPU (kernel time)", (lambda r: r["mode"])
   elif rows and "contender" in rows[0]:  # bench_gemm / bench_linear
     rows = [r for r in rows if "tflops" in r]
     metric, label, name_of = "tflops", "TFLOP/s", (lambda r: r["contender"])
@@ -74,6 +78,9 @@ def plot_result(result: dict, shapes: Sequence[str] | None = None):
       ax.plot(ms, ys, marker="o", label=name)
     if "GB/s" in label and result.get("copy_bandwidth_tbps"):
       ax.axhline(result["copy_bandwidth_tbps"] * 1e3, color="gray", ls="--", label="copy bandwidth (same run)")
+    if "speedup" in label and result.get("device_count"):
+      ax.axhline(result["device_count"], color="gray", ls="--", label=f"ideal ({result['device_count']} GPUs)")
+      ax.axhline(1.0, color="black", lw=0.8)
     if "TFLOP/s" in label and result.get("compute_peak_tflops"):
       ax.axhline(result["compute_peak_tflops"], color="gray", ls="--", label="FP8 dense peak (datasheet)")
     ax.set_xscale("log", base=2)

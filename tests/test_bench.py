@@ -127,6 +127,22 @@ def test_plot_of_the_committed_quantizer_results(tmp_path):
     plot.plot_result(result, ["K=1"])
 
 
+@pytest.mark.parametrize("name, label_part, shapes, lines", [
+    ("bench_h200.json", "gemm: TFLOP/s", ["deepseek_v3.q_proj_no_lora", "deepseek_v3.dense_down"],
+     {"mosaic", "triton", "xla", "dequant_bf16", "torch_scaled_mm", "fp8_per_tensor"}),
+    ("tp_h200.json", "speedup over 1 GPU", ["deepseek_v3.q_proj_no_lora", "deepseek_v3.dense_down"],
+     {"column", "column_gather"}),
+])
+def test_plot_of_the_committed_gemm_and_tp_results(tmp_path, name, label_part, shapes, lines):
+  pytest.importorskip("matplotlib")
+  from jaxfp8 import plot
+  path = ROOT / "benchmarks" / name
+  label, panels, sizes = plot.series(json.loads(path.read_text()))
+  assert label_part in label and plot.pick_shapes(panels, sizes) == shapes
+  assert set(panels[shapes[0]]) == lines
+  assert Path(plot.plot_file(str(path), str(tmp_path / "p.png"))).stat().st_size > 10_000
+
+
 def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
   """The GPU code path (CUPTI timer, measured copy bandwidth, datasheet peak) with CUPTI faked, on CPU."""
   from jaxfp8 import bench_quant, timing
