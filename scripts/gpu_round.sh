@@ -11,6 +11,7 @@
 #   bench         python -m jaxfp8 bench: GEMM, linear and quantizer with every baseline in one run, the committed
 #                 results (BENCH_ARGS overrides the two DeepSeek-V3 shapes x M=1..4096; it stops itself at 420 s)
 #   bench-quant   python -m jaxfp8 bench_quant (~2 min)
+#   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json (TUNE_ARGS overrides)
 #   bench-gemm    python -m jaxfp8 bench_gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set BENCH_GEMM_ARGS)
 #   bench-linear  python -m jaxfp8 bench_linear
@@ -69,6 +70,7 @@ for phase in "${phases[@]}"; do
              --m=1,16,64,256,1024,4096 --time_budget_s=420} --out="$out/bench_h200.json" ;;
     bench-quant) run bench_quant python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
+    notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb ;;
     tune) run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
     bench-linear) run bench_linear python3 -m jaxfp8.bench_linear --out="$out/linear_h200.json" ;;
     tp) run bench_tp python3 -m jaxfp8.bench_tp --out="$out/tp_h200.json" ${TP_ARGS:-} ;;
