@@ -123,28 +123,28 @@ def test_quant_xla(seed, m, group_size, groups, dtype, options):
   _check_quant(x, group_size, "xla", options)
 
 
+def _check_quant_kernel(implementation, seed, data, group_size, dtype, options, *, interpreted_max_m):
+  """A Pallas quantizer: real sizes natively on the GPU, tiny ones when interpreted on CPU."""
+  _runnable(implementation)
+  m = data.draw(st.integers(0, 300 if NATIVE else interpreted_max_m), label="m")
+  groups = data.draw(st.integers(1, 8 if NATIVE else 2), label="groups")
+  k = group_size * groups * (2 if options.get("fuse_silu_and_mul") else 1)
+  x = _activations(np.random.default_rng(seed), (m, k), INPUT_DTYPES[dtype], options)
+  _check_quant(x, group_size, implementation, options)
+
+
 @_examples(ci=6, gpu=200)
 @given(seed=seeds, data=st.data(), group_size=st.sampled_from([16, 32, 64, 128]), dtype=dtype_names,
        options=quant_options())
 def test_quant_triton(seed, data, group_size, dtype, options):
-  _runnable("triton")
-  m = data.draw(st.integers(0, 300 if NATIVE else 9), label="m")
-  groups = data.draw(st.integers(1, 8 if NATIVE else 2), label="groups")
-  k = group_size * groups * (2 if options.get("fuse_silu_and_mul") else 1)
-  x = _activations(np.random.default_rng(seed), (m, k), INPUT_DTYPES[dtype], options)
-  _check_quant(x, group_size, "triton", options)
+  _check_quant_kernel("triton", seed, data, group_size, dtype, options, interpreted_max_m=9)
 
 
 @_examples(ci=6, gpu=100)
 @given(seed=seeds, data=st.data(), group_size=st.sampled_from([16, 32, 64, 128]), dtype=dtype_names,
        options=quant_options())
 def test_quant_mosaic(seed, data, group_size, dtype, options):
-  _runnable("mosaic")
-  m = data.draw(st.integers(0, 300 if NATIVE else 5), label="m")
-  groups = data.draw(st.integers(1, 8 if NATIVE else 2), label="groups")
-  k = group_size * groups * (2 if options.get("fuse_silu_and_mul") else 1)
-  x = _activations(np.random.default_rng(seed), (m, k), INPUT_DTYPES[dtype], options)
-  _check_quant(x, group_size, "mosaic", options)
+  _check_quant_kernel("mosaic", seed, data, group_size, dtype, options, interpreted_max_m=5)
 
 
 @_examples(ci=6, gpu=100)
