@@ -23,6 +23,11 @@
 #   reliability-determinism  scripts/determinism.py: 20 runs of every kernel, bit-identical (not timed yet)
 #   reliability-sanitize     scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/initcheck/synccheck over every
 #                            kernel (slow: set SANITIZE_TOOLS="memcheck" etc. to split it over device calls)
+#   correctness   every correctness check at once on one GPU, nothing timed (a 16-core H200 machine, ~9 min): the
+#                 GPU-marked GEMM tests (-n 4), linear/weights/nn/sharding/extremes tests (-n 3), the GPU fuzz
+#                 profile (-n 8, one worker per property), both notebooks, determinism and all four
+#                 compute-sanitizer tools (SANITIZE_JOBS, default 3, at once). The quantizer tests are left out (run
+#                 tests-quant when pallas_kernels/quant_* change)
 #   all           every phase above, in order (needs several device calls' worth of time: use phases)
 # On a machine with several GPUs, pin phases with CUDA_VISIBLE_DEVICES and run them side by side, e.g. tests on GPU 0
 # while GPU 1 times: (CUDA_VISIBLE_DEVICES=0 scripts/gpu_round.sh tests-all &); CUDA_VISIBLE_DEVICES=1 scripts/gpu_round.sh tune
@@ -39,6 +44,22 @@ run() {  # run NAME COMMAND...: log to $out/NAME.log, keep going on failure
   echo "=== $name: $*"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1 || { echo "=== $name exited $?"; status=1; }
   tail -n 15 "$out/$name.log"
+}
+background=()  # "name pid" of the jobs start_bg started
+start_bg() {  # start_bg NAME COMMAND...: like run, in the background; wait_bg collects it
+  local name=$1; shift
+  echo "=== $name (background): $*"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1 &
+  background+=("$name $!")
+}
+wait_bg() {
+  local job name pid
+  for job in "${background[@]}"; do
+    read -r name pid <<< "$job"
+    wait "$pid" || { echo "=== $name exited $?"; status=1; }
+    echo "--- $name"; tail -n 8 "$out/$name.log"
+  done
+  background=()
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
@@ -77,6 +98,18 @@ for phase in "${phases[@]}"; do
     tp) run bench_tp python3 -m jaxfp8.bench_tp --out="$out/tp_h200.json" ${TP_ARGS:-} ;;
     fuzz-gpu) JAXFP8_FUZZ_PROFILE=gpu run fuzz_gpu python3 -m pytest tests/test_fuzz.py -n "${TEST_WORKERS:-8}" \
                 "${parallel_args[@]}" --junitxml="$out/fuzz_gpu.junit.xml" ;;
+    correctness)
+      start_bg tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" -n 4 \
+        "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml"
+      start_bg tests_linear python3 -m pytest tests/test_linear.py tests/test_weights.py tests/test_nn.py \
+        tests/test_sharding.py tests/test_extremes.py -n 3 "${parallel_args[@]}" \
+        --junitxml="$out/tests_linear.junit.xml"
+      JAXFP8_FUZZ_PROFILE=gpu start_bg fuzz_gpu python3 -m pytest tests/test_fuzz.py -n 8 "${parallel_args[@]}" \
+        --junitxml="$out/fuzz_gpu.junit.xml"
+      start_bg notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb
+      start_bg determinism python3 scripts/determinism.py "$out/determinism_h200.json"
+      OUT=$out SANITIZE_JOBS=${SANITIZE_JOBS:-3} start_bg sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-}
+      wait_bg ;;
     reliability-determinism) run determinism python3 scripts/determinism.py "$out/determinism_h200.json" ;;
     reliability-sanitize) OUT=$out run sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-} ;;
     *) echo "unknown phase $phase"; status=2 ;;

@@ -13,7 +13,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import jaxfp8
@@ -23,8 +23,11 @@ from quant_checks import INPUT_DTYPES, assert_matches_reference, random_activati
 settings.register_profile(
     "ci", max_examples=10, deadline=None, derandomize=False, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# GPU: no shrinking (each shrink step compiles a new shape, which can outlast a device call); the failing example is
+# printed as drawn, and its seed reproduces the data.
 settings.register_profile(
     "gpu", max_examples=200, deadline=None, derandomize=False, print_blob=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROFILE = os.environ.get("JAXFP8_FUZZ_PROFILE", "ci")
 if PROFILE not in ("ci", "gpu"):
@@ -199,7 +202,7 @@ def test_gemm_xla(seed, m, n, k, block_size, out_dtype, column_major, with_bias)
   _check_gemm(np.random.default_rng(seed), m, n, k, block_size, out_dtype, column_major, with_bias, "xla")
 
 
-@_examples(ci=6, gpu=200)
+@_examples(ci=6, gpu=120)
 @given(seed=seeds, data=st.data(), block_size=st.sampled_from([(128, 128), (64, 64), (128, 32), (32, 128)]),
        out_dtype=out_dtypes, column_major=st.booleans(), with_bias=st.booleans())
 def test_gemm_triton(seed, data, block_size, out_dtype, column_major, with_bias):
@@ -223,7 +226,7 @@ def test_gemm_mosaic(seed, data, out_dtype, column_major, with_bias):
 
 # ---- the linear ----------------------------------------------------------------------------------------------------
 
-@_examples(ci=15, gpu=150)
+@_examples(ci=15, gpu=100)
 @given(seed=seeds, lead=st.lists(st.integers(0, 20), min_size=1, max_size=3).filter(lambda l: np.prod(l) <= 300),
        n=st.integers(1, 300), groups=st.integers(1, 3), block_size=st.sampled_from([(128, 128), (64, 64), (32, 128)]),
        dtype=dtype_names, with_bias=st.booleans(), implementation=st.sampled_from([None, "xla"]))
