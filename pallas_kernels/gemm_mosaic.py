@@ -414,24 +414,35 @@ def _balance(num_tiles: int, num_ctas: int) -> float:
 
 
 def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int | None = None) -> MosaicGemmConfig:
-  """Heuristic config by problem size (a starting point, to be refined by measurements on the H200)."""
+  """Heuristic config by problem size, from the H200 sweeps of scripts/bench_gemm_mosaic.py (2026-11-29 session 3,
+  benchmarks/mosaic_sweep_h200_*.json)."""
   num_sms = num_sms or _platform.num_sms()
   epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
   if m <= WGMMA_M:
     # Decode: a single 64-row tile (mostly TMA zero fill; the tensor cores have time to spare) and one consumer
-    # warpgroup, on a persistent grid whose producer streams the next tile's weight during the epilogue. Column tiles
-    # as wide as keeps the SMs evenly loaded (wider tiles re-read the activations from L2 less often).
-    tile_n = 128 if _balance(n // 128, num_sms) >= 0.9 else 64
+    # warpgroup, one CTA per tile. Two K blocks per pipeline step, 4 deep: measured the fastest decode schedule at
+    # M = 1..64 for N=24576 K=7168 (M=64: 47.2 us, 1.15x the weight-streaming floor, vs 50.0 us for 8 one-block
+    # steps on a persistent grid) and level with it for N=7168 K=2048. 128-wide column tiles (they re-read the
+    # activations from L2 half as often) when there are enough of them to keep two per SM pair busy, else 64-wide.
+    tile_n = 128 if n // 128 >= num_sms // 2 else 64
     config = MosaicGemmConfig(
-        tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=8, num_compute_wgs=1, epi_tile_n=epi_tile_n,
+        tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
+        persistent=False, epi_tile_n=epi_tile_n,
     )
   else:
-    # Prefill: 128x128 CTA tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), on a persistent grid.
-    # When that leaves SMs idle (few tiles), 64x128 tiles split in N between the warpgroups: twice the tiles, at a
-    # guessed 20% lower per-tile efficiency (64x64 wgmmas, more L2 traffic per flop).
+    # Prefill: 128x256 CTA tiles, the two consumer warpgroups side by side in N (128x128 each), on a persistent grid:
+    # measured the fastest at M >= 1024 (M=4096 N=24576 K=7168: 1256 TFLOP/s vs 1174 for 128x128 tiles; N=7168
+    # K=18432: 1275 vs 1163), as long as the tiles fill the SMs' slots (at M=256 N=24576, 192 tiles over 132 SMs, they
+    # lost to 128x128). Otherwise 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape); when those
+    # leave SMs idle too, 64x128 tiles split in N (twice the tiles, at a guessed 20% lower per-tile efficiency).
+    wider = _balance(pl.cdiv(m, 128) * pl.cdiv(n, 256), num_sms)
     wide = _balance(pl.cdiv(m, 128) * (n // 128), num_sms)
     narrow = 0.8 * _balance(pl.cdiv(m, 64) * (n // 128), num_sms)
-    if wide >= narrow:
+    if wider >= 0.8:
+      config = MosaicGemmConfig(
+          tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n,
+      )
+    elif wide >= narrow:
       config = MosaicGemmConfig(
           tile_m=128, tile_n=128, max_concurrent_steps=6, num_compute_wgs=2, wg_split=Dim.M, grid_minor_dim=Dim.M,
           grid_tile_width=8, epi_tile_n=epi_tile_n,
