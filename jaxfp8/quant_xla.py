@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.exact_division import divide_correctly_rounded
+
 FP8_MAX = 448.0
 R = float(np.float32(1.0 / 448.0))
 
@@ -35,32 +37,6 @@ def _round_to(v: jax.Array, dtype) -> jax.Array:
   magnitude = jnp.abs(v)
   subnormal = jnp.copysign((magnitude + 0.5) - 0.5, v)
   return jnp.where(magnitude < float(info.smallest_normal), subnormal, rounded)
-
-
-def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Veltkamp split of f32 a into hi + lo, each with at most 12 significant bits, so products of halves are exact."""
-  c = a * 4097.0  # 2**12 + 1
-  hi = c - (c - a)
-  return hi, a - hi
-
-
-def _divide(x: jax.Array, s: jax.Array) -> jax.Array:
-  """x / s correctly rounded, however XLA compiles division.
-
-  XLA rewrites a division by a broadcast into a multiply by the reciprocal (one fp8 step off, rarely). Here:
-  q0 = x * (1/s); the residual x - q0 * s computed exactly by Dekker's error-free product (x - p is exact by
-  Sterbenz, as p is within a factor 2 of x); one correction q0 + residual / s (Markstein). Groups whose scale is not
-  finite, or so large that the split would overflow, keep the plain quotient (x/inf = 0, NaN stays NaN).
-  """
-  r = 1.0 / s
-  q0 = x * r
-  p = q0 * s
-  q_hi, q_lo = _split(q0)
-  s_hi, s_lo = _split(s)
-  product_error = ((q_hi * s_hi - p) + q_hi * s_lo + q_lo * s_hi) + q_lo * s_lo
-  residual = (x - p) - product_error
-  corrected = q0 + residual * r
-  return jnp.where(jnp.abs(s) < 1e30, corrected, x / s)
 
 
 def per_token_group_quant(
@@ -95,7 +71,7 @@ def per_token_group_quant(
   scale = amax * R
   if scale_ue8m0:
     scale = _ue8m0(scale)
-  quotient = _divide(xg, scale[..., None])
+  quotient = divide_correctly_rounded(xg, scale[..., None])
   q = jnp.where(jnp.isnan(quotient), quotient, jnp.clip(quotient, -FP8_MAX, FP8_MAX))
   q = q.astype(jnp.float8_e4m3fn).reshape(batch, rows_in, k)
 

@@ -17,6 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import exact_division
+
 FP8_MAX = 448.0
 # float32(1/448): scale = amax * R, a multiply every backend rounds identically (SPEC 1).
 R = float(np.float32(1.0 / 448.0))
@@ -66,8 +68,8 @@ def _divide(x: jax.Array, s: jax.Array, r: jax.Array, *, interpret: bool) -> jax
   FMA correction q0 + residual * r, which is the correctly rounded quotient when r = RN(1/s) (Markstein). Infinite
   scales (a group holding inf) take the plain quotient, whose x/inf = 0 and inf/inf = NaN are what IEEE gives.
   """
-  if interpret:
-    return x / s
+  if interpret:  # XLA executes the body: its `/` becomes a reciprocal multiply
+    return exact_division.divide_correctly_rounded(x, s)
   (corrected,) = plt.elementwise_inline_asm(
       """{
       .reg .f32 q0, neg_q0, residual;

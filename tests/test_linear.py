@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfp8 import _platform, gemm, linear, shapes
+from jaxfp8 import _platform, gemm, linear, quant, shapes
 from jaxfp8 import reference as ref
 from jaxfp8.linear import w8a8_block_fp8_linear
 
@@ -93,9 +93,13 @@ def test_xla_matches_reference(rng, x_shape, n, block_size, dtype, bias, impleme
   b = (rng.standard_normal(n) * 4).astype(np.float32) if bias else None
   out = w8a8_block_fp8_linear(x, w_q, w_s, block_size, b, implementation=implementation)
   assert_close(out, x, w_q, w_s, block_size, b)
-  # Under jit (traced inline, no row bucket): the same bits.
+  # Under jit (traced inline, no row bucket): the same bits, except XLA's own GPU dot, which picks its algorithm (and
+  # so its sum order) by row count: eager calls run at the padded bucket's rows (seen on the H200).
   jitted = jax.jit(lambda x: w8a8_block_fp8_linear(x, w_q, w_s, block_size, b, implementation=implementation))(x)
-  np.testing.assert_array_equal(bits(jitted), bits(out))
+  if implementation == "xla" and jax.default_backend() == "gpu":
+    assert_close(jitted, x, w_q, w_s, block_size, b)
+  else:
+    np.testing.assert_array_equal(bits(jitted), bits(out))
 
 
 @pytest.mark.parametrize("x_shape, n, block_size, dtype, bias", [CASES[0], CASES[2], CASES[4]])
@@ -303,6 +307,17 @@ def test_lowered_xla_program_has_no_activation_copies():
   bad = jax.jit(lambda x: jnp.concatenate([jnp.pad(x, ((0, 3), (0, 0))).T, x.T], axis=1)).lower(args[0]).as_text()
   assert sorted(line.split("=")[1].split()[0] for line in activation_copies(bad)) == [
       "stablehlo.concatenate", "stablehlo.pad", "stablehlo.transpose", "stablehlo.transpose"]
+
+
+def test_lowered_xla_program_widens_the_fp8_codes_behind_a_barrier():
+  # XLA's GPU compiler folds x -> fp8 -> f32 convert chains (simplify-fp-conversions), which skipped the activations'
+  # fp8 rounding in the jitted XLA linear on the H200 (43% error at M=1, N=1). That pass does not run on CPU, so the
+  # check is on the program: both fp8 operands go through an optimization barrier before they are widened.
+  args = (_shape(3, 256, BF16), _weight_shape(64, 256), jax.ShapeDtypeStruct((2, 2), F32))
+  text = jax.jit(lambda x, w_q, w_s: w8a8_block_fp8_linear(x, w_q, w_s, (32, 128), implementation="xla")
+                 ).lower(*args).as_text()
+  barriers = [line for line in text.splitlines() if "stablehlo.optimization_barrier" in line]
+  assert len(barriers) == 2 and all("xf8E4M3FN>" in line for line in barriers), barriers
 
 
 _MOSAIC_AROUND = {"custom_call", "reshape", "slice", "constant", "broadcast_in_dim", "return"}
@@ -537,8 +552,9 @@ def test_gpu_padded_rows_give_bit_identical_live_rows(implementation):
 @pytest.mark.hopper
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 300])
 def test_gpu_linear_is_quantizer_then_gemm(m):
-  # Decode fusion: one jitted linear launches the quantizer and the GEMM back to back and nothing else (the slice of
-  # padded output rows launches no kernel: seen on the H200 at M=1 and M=300).
+  # Decode fusion: one jitted linear launches the quantizer, then exactly the kernels of the GEMM called alone on its
+  # output (the Triton decode GEMM adds an f32 -> bf16 convert of its own), and nothing else: the slice of padded
+  # output rows launches no kernel (seen on the H200 at M=1 and M=300).
   from jaxfp8 import timing
   n, k = 1536, 7168
   rng = np.random.default_rng()
@@ -548,17 +564,24 @@ def test_gpu_linear_is_quantizer_then_gemm(m):
   f = jax.jit(lambda x: w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), bias))
   plan = linear.explain(x, w_q, (128, 128))
   names = timing.kernel_names(f, (x,))
-  assert len(names) == 2, (str(plan), names)
-  assert "quant" in names[0] and "quant" not in names[1], (str(plan), names)
+  assert plan.scale_layout == "col", str(plan)
+  a_q, a_s = quant.per_token_group_quant_fp8_row_padded(
+      x, 128, row_alignment=plan.row_alignment, implementation=plan.quant_implementation)
+  gemm_alone = jax.jit(lambda a_q, a_s: gemm.w8a8_block_fp8_matmul(
+      a_q, w_q, a_s, w_s, (128, 128), a_s_column_major=True, bias=bias, implementation=plan.implementation,
+      config=plan.config))
+  gemm_names = timing.kernel_names(gemm_alone, (a_q, a_s))
+  assert "quant" in names[0] and names[1:] == gemm_names, (str(plan), names, gemm_names)
 
 
 @pytest.mark.gpu
 def test_gpu_dispatch_matches_the_device():
-  plan = linear.explain(_shape(5, 7168), _weight_shape(1536, 7168), (128, 128))
-  if _platform.is_hopper():
-    assert plan.implementation == "mosaic", str(plan)
-  else:
-    assert plan.implementation == "triton", str(plan)
+  # Hopper: the Mosaic GEMM for aligned shapes, except decode (M <= gemm.TRITON_DECODE_MAX_M), where the Triton
+  # kernel measured faster.
+  for m in (5, 64):
+    plan = linear.explain(_shape(m, 7168), _weight_shape(1536, 7168), (128, 128))
+    hopper_choice = "triton" if m <= gemm.TRITON_DECODE_MAX_M else "mosaic"
+    assert plan.implementation == (hopper_choice if _platform.is_hopper() else "triton"), str(plan)
   plan = linear.explain(_shape(5, 7168), _weight_shape(2112, 7168), (128, 128))
   assert plan.implementation == "triton", str(plan)
 
