@@ -85,7 +85,8 @@ def heuristic_config(m: int, n: int, k: int, block_size: tuple[int, int], *, num
       config = dataclasses.replace(config, block_k=block_k)
     programs_wanted = num_sms
   tiles = -(-m // config.block_m) * -(-n // config.block_n)
-  if tiles < programs_wanted and k_tiles >= 8:
+  # An empty output (M or N = 0) has no tiles to split K over (and the split count below would divide by zero).
+  if 0 < tiles < programs_wanted and k_tiles >= 8:
     # Each split keeps at least 4 K steps so that the pipeline has something to overlap.
     split_k = min(-(-programs_wanted // tiles), k_tiles // 4, 16)
     if split_k > 1:

@@ -249,6 +249,20 @@ def test_zero_sized_dimensions(rng):
   np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(bias, (3, 64)))
 
 
+@pytest.mark.parametrize("m, n", [(0, 64), (4, 0)])
+@pytest.mark.parametrize("block_size", [(128, 128), (64, 64)])
+def test_zero_sized_output_with_long_k_picks_a_config(rng, m, n, block_size):
+  # K >= 8 K steps is where the heuristic considers split-K; with no output tiles it divided by zero (found by the GPU
+  # fuzz profile at M=0, K in 897..1100, before any kernel ran).
+  k = 1024
+  config = gemm_configs.heuristic_config(m, n, k, block_size)
+  assert config is not None and config.split_k == 1, config
+  p = make_problem(rng, max(m, 1), max(n, 1), k, block_size, bias=True)
+  out = w8a8_block_fp8_matmul(p.a_q[:m], p.b_q[:n], p.a_s[:m], p.b_s[:ref.ceil_div(n, block_size[0])], block_size,
+                              bias=p.bias[:n], out_dtype=F32, implementation="triton", interpret=True)
+  assert out.shape == (m, n) and out.dtype == F32
+
+
 # ---- validation ----------------------------------------------------------------------------------------------------
 
 def _valid_args(m=5, n=200, k=300, block_size=(128, 128)):
