@@ -30,3 +30,12 @@ def rng(request):
   request.node.user_properties.append(("seed", base))
   print(f"JAXFP8_TEST_SEED={base}")
   return np.random.default_rng(seed)
+
+
+def pytest_runtest_logreport(report):
+  """With JAXFP8_FAILURE_LOG=path, each failure's report is appended to that file as it happens (pytest prints
+  failures only at the end of the session, which a GPU run cut by its time limit never reaches)."""
+  path = os.environ.get("JAXFP8_FAILURE_LOG")
+  if path and report.failed:
+    with open(path, "a") as f:
+      f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
