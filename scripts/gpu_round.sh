@@ -8,9 +8,10 @@
 #   tests-quant   tests/test_quant.py + tests/test_quant_mosaic.py natively (~4-5 min)
 #   tests-gemm    GPU-marked GEMM tests, Triton and Mosaic (> 4 min)
 #   tests-linear  linear, weights, nn, sharding tests
-#   bench         python -m jaxfp8 bench: GEMM, linear and quantizer with every baseline in one run, the committed
-#                 results (BENCH_ARGS overrides the two DeepSeek-V3 shapes x M=1..4096; it stops itself at 470 s: at 420 s
-#                 on 2026-11-29 it had done the GEMM and linear rows but not the last quantizer shape)
+#   bench         python -m jaxfp8 bench: GEMM and linear with every baseline in one run, the committed results
+#                 (BENCH_ARGS overrides DeepSeek-V3 q_proj_no_lora and dense_down and Qwen3-32B qkv_proj x M=1..4096;
+#                 7.5 min alone on the GPU on 2026-11-29; --time_budget_s=490 stops it between shapes if slower; the
+#                 quantizer has its own phase, bench-quant)
 #   bench-quant   python -m jaxfp8 bench_quant (~2 min)
 #   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json (TUNE_ARGS overrides)
@@ -36,7 +37,8 @@
 # The H200 image's python3 has jax 0.11.2, pytest and hypothesis; the project runs from the tree via PYTHONPATH.
 set -u -o pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  JAXFP8_FAILURE_LOG=$out/failures.log  # every test failure, written as it happens (tests/conftest.py)
 limit=${PHASE_TIMEOUT:-540}
 status=0
 run() {  # run NAME COMMAND...: log to $out/NAME.log, keep going on failure
@@ -88,8 +90,9 @@ for phase in "${phases[@]}"; do
                   "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" ;;
     tests-linear) run tests_linear python3 -m pytest tests/test_linear.py tests/test_weights.py tests/test_nn.py \
                     tests/test_sharding.py "${pytest_args[@]}" --junitxml="$out/tests_linear.junit.xml" ;;
-    bench) run bench python3 -m jaxfp8 bench ${BENCH_ARGS:---models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down \
-             --m=1,16,64,256,1024,4096 --time_budget_s=470} --out="$out/bench_h200.json" ;;
+    bench) run bench python3 -m jaxfp8 bench ${BENCH_ARGS:---ops=gemm,linear \
+             --models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj --m=1,16,64,256,1024,4096 \
+             --time_budget_s=490} --out="$out/bench_h200.json" ;;
     bench-quant) run bench_quant python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
     notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb ;;

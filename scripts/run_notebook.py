@@ -21,7 +21,13 @@ def _ipython_display_shim() -> None:
     display_module = types.ModuleType("IPython.display")
     display_module.Markdown = lambda text: text
     display_module.display = lambda *objects: print(*objects)
-    sys.modules["IPython"] = types.ModuleType("IPython")
+    ipython = types.ModuleType("IPython")
+    # Matplotlib consults a loaded IPython when pyplot makes a figure: no shell running (get_ipython() is None), and a
+    # version (8.24) whose backend it leaves alone.
+    ipython.get_ipython = lambda: None
+    ipython.version_info = (8, 24, 0)
+    ipython.display = display_module
+    sys.modules["IPython"] = ipython
     sys.modules["IPython.display"] = display_module
 
 
