@@ -423,7 +423,8 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
     # warpgroup, one CTA per tile. Two K blocks per pipeline step, 4 deep: measured the fastest decode schedule at
     # M = 1..64 for N=24576 K=7168 (M=64: 47.2 us, 1.15x the weight-streaming floor, vs 50.0 us for 8 one-block
     # steps on a persistent grid) and level with it for N=7168 K=2048. 128-wide column tiles (they re-read the
-    # activations from L2 half as often) when there are enough of them to keep two per SM pair busy, else 64-wide.
+    # activations from L2 half as often) when there are at least half as many of them as SMs, else 64-wide tiles for
+    # twice the CTAs (that variant of the schedule was not in the sweep).
     tile_n = 128 if n // 128 >= num_sms // 2 else 64
     config = MosaicGemmConfig(
         tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
