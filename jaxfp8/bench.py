@@ -20,10 +20,7 @@ about GPU speed.
 
 from __future__ import annotations
 
-import datetime
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -265,10 +262,9 @@ def run(
     pass
   result = dict(
       benchmark="jaxfp8 bench: block FP8 GEMM, linear and activation quantizer, every implementation and baseline",
-      command=command or " ".join(sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      device=device, device_count=jax.device_count(), platform=jax.devices()[0].platform,
-      jax_version=jax.__version__, jaxlib_version=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-      python=platform.python_version(), torch_version=torch_version, seed=seed, iterations=iterations,
+      **_bench_io.run_metadata(command), device_count=jax.device_count(), platform=jax.devices()[0].platform,
+      jaxlib_version=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+      torch_version=torch_version, seed=seed, iterations=iterations,
       timing=timer_label, cpu_warning=None if on_gpu else CPU_WARNING,
       copy_bandwidth_tbps=copy_bw / 1e12, compute_peak_tflops=peak_tflops,
       compute_peak_source="NVIDIA H200 datasheet, FP8 Tensor Core dense" if peak_tflops == H200_FP8_DENSE_TFLOPS

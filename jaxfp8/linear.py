@@ -278,20 +278,21 @@ def _plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, option
   capability = gemm._capability()
   # The rows the Mosaic GEMM would see (>= 8: the quantizer pads), so that alignment never decides against Mosaic; the
   # live rows decide only the decode rule (gemm.TRITON_DECODE_MAX_M).
-  m_rows = max(_checks.round_up(max(m, 1), _MOSAIC_TMA_ROWS), _MOSAIC_TMA_ROWS)
+  m_live = max(m, 1)
+  m_rows = max(_checks.round_up(m_live, _MOSAIC_TMA_ROWS), _MOSAIC_TMA_ROWS)
   implementation = options.implementation
   if implementation == "mosaic" and (why := gemm.mosaic_unsupported_reason(m_rows, n, k, block_size)):
     raise ValueError(f"implementation='mosaic' cannot run a linear with N={n}, K={k}, block_size={block_size}: {why}; "
                      "use implementation='triton' or 'xla' (or None to choose)")
   resolved = gemm.resolve_implementation(
       implementation, config=options.config, interpret=interpret, m=m_rows, n=n, k=k, block_size=block_size,
-      live_rows=max(m, 1))
+      live_rows=m_live)
   if implementation is not None:
     reason = f"implementation={implementation!r} was asked for"
   elif options.config is not None:
     reason = f"a {type(options.config).__name__} was given"
   else:
-    reason = _default_reason(resolved, capability, interpret, m_rows, n, k, block_size, max(m, 1))
+    reason = _default_reason(resolved, capability, interpret, m_rows, n, k, block_size, m_live)
   if resolved == "xla" and options.config is not None:
     raise ValueError(f"config applies to the 'triton' and 'mosaic' implementations, not 'xla'; got {options.config!r}")
 
