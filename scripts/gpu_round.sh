@@ -76,14 +76,12 @@ for phase in "${phases[@]}"; do
   case $phase in
     tests-all)
       workers=${TEST_WORKERS:-4}
-      timeout "$limit" python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
-        -n "$workers" "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml" > "$out/tests_gemm.log" 2>&1 &
-      gemm_pid=$!
-      run tests_quant_linear python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py tests/test_linear.py \
+      start_bg tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
+        -n "$workers" "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml"
+      start_bg tests_quant_linear python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py tests/test_linear.py \
         tests/test_weights.py tests/test_nn.py tests/test_sharding.py tests/test_extremes.py -n "$((workers + 2))" \
         "${parallel_args[@]}" --junitxml="$out/tests_quant_linear.junit.xml"
-      wait "$gemm_pid" || { echo "=== tests_gemm exited $?"; status=1; }
-      tail -n 15 "$out/tests_gemm.log" ;;
+      wait_bg ;;
     tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \
                    --junitxml="$out/tests_quant.junit.xml" ;;
     tests-gemm) run tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \

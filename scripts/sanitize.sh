@@ -32,16 +32,17 @@ sanitize_one() {  # TOOL KERNEL INDEX -> $out/TOOL_KERNEL_INDEX.log and a summar
   echo "| $tool | $kernel | $index | ${errors:-?} | $rc |" | tee "$out/$1_$2_$3.row"
 }
 export -f sanitize_one; export out limit
-for tool in "${tools[@]}"; do for kernel in $kernels; do for index in 0 1; do echo "$tool $kernel $index"; done; done; done |
-  xargs -P "$jobs" -L 1 bash -c 'sanitize_one "$@"' _
+runs=()  # "TOOL KERNEL INDEX", in summary order
+for tool in "${tools[@]}"; do for kernel in $kernels; do runs+=("$tool $kernel 0" "$tool $kernel 1"); done; done
+printf '%s\n' "${runs[@]}" | xargs -P "$jobs" -L 1 bash -c 'sanitize_one "$@"' _
 echo "| tool | kernel | shape | errors | exit |" > "$out/summary.md"
 echo "|---|---|---|---|---|" >> "$out/summary.md"
-status=0
-for tool in "${tools[@]}"; do for kernel in $kernels; do for index in 0 1; do
+for run in "${runs[@]}"; do
+  read -r tool kernel index <<< "$run"
   row="$out/${tool}_${kernel}_${index}.row"
-  if [[ -f $row ]]; then cat "$row" >> "$out/summary.md"; rm "$row"; else echo "| $tool | $kernel | $index | not run | - |" >> "$out/summary.md"; status=1; fi
-done; done; done
-# Exit codes 0 (clean) and 3 (kernel not available here) pass; anything else (9: errors found, 124: timeout) fails.
-awk -F'|' 'NR > 2 && $6 !~ /^ *(0|3) *$/ {bad = 1} END {exit bad}' "$out/summary.md" || status=1
+  if [[ -f $row ]]; then cat "$row" >> "$out/summary.md"; rm "$row"; else echo "| $tool | $kernel | $index | not run | - |" >> "$out/summary.md"; fi
+done
 cat "$out/summary.md"
-exit $status
+# The script's status: exit codes 0 (clean) and 3 (kernel not available here) pass; anything else (9: errors found,
+# 124: timeout, -: not run) fails.
+awk -F'|' 'NR > 2 && $6 !~ /^ *(0|3) *$/ {bad = 1} END {exit bad}' "$out/summary.md"
