@@ -257,5 +257,5 @@ def test_linear(seed, lead, n, groups, block_size, dtype, with_bias, implementat
                                                 implementation=implementation))
   assert out.shape == (*lead, n) and out.dtype == x.dtype
   exact = ref.w8a8_block_fp8_linear(x, w_q, w_s, block_size, bias)
-  _assert_within_spec(out, exact, bias, 2e-4 if x.dtype == np.float32 else 5e-3,
+  _assert_within_spec(out, exact, bias, GEMM_TOLERANCE[jnp.dtype(x.dtype)],
                       f"{implementation} lead={lead} N={n} K={k} block={block_size} {dtype} bias={with_bias}")
