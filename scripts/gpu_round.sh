@@ -19,8 +19,8 @@
 #   bench-linear  python -m jaxfp8 bench_linear
 #   tp            python -m jaxfp8.bench_tp over every visible GPU (needs 2 or more): column- and row-parallel
 #                 DeepSeek-V3 linears checked against one GPU and timed against it (TP_ARGS; stops at 420 s)
-#   fuzz-gpu      tests/test_fuzz.py with JAXFP8_FUZZ_PROFILE=gpu, TEST_WORKERS (default 8) xdist workers
-#                 (> 5 min with 10 workers: give it a device call, or a GPU, of its own)
+#   fuzz-gpu      tests/test_fuzz.py with JAXFP8_FUZZ_PROFILE=gpu, TEST_WORKERS (default 8) xdist workers: 3.5 min
+#                 at the full profile beside tests-linear (5 min) on one H200, 2026-11-29 session 4
 #   reliability-determinism  scripts/determinism.py: 20 runs of every kernel, bit-identical (not timed yet)
 #   reliability-sanitize     scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/initcheck/synccheck over every
 #                            kernel (slow: set SANITIZE_TOOLS="memcheck" etc. to split it over device calls)
