@@ -1,6 +1,7 @@
 """GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (pallas_kernels/gemm_mosaic.py).
 
-  python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick]
+  python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick] [--shapes N,K;N,K] [--m 1,16,64]
+                                              [--only decode|medium|prefill] [--unscaled]
 
 (a) every candidate config against an f32 XLA computation of SPEC 2 at a few odd shapes (partial row tiles, bias);
 (b) CUPTI kernel times (jaxfp8.timing.median_kernel_us) at M in {1, 16, 64, 256, 1024, 4096} for (N, K) =
@@ -8,11 +9,17 @@
 (XLA dot_general, per-tensor scales, no block scales) as a yardstick. Prints TFLOP/s and, for M <= 64, the ratio to
 the weight-streaming floor (weight bytes / 4.3 TB/s). A config that fails to compile or run is logged and skipped.
 Stops starting new measurements once --budget_s is spent, and writes the JSON (with what was skipped) either way.
+
+--unscaled adds a diagnostic row per prefill shape: the heuristic's config with the block-scale promotion taken out
+(the wgmmas accumulate across all of K in their own accumulator, waited once per step: a plain per-tensor FP8 GEMM in
+the same TMA pipeline, warp specialization and epilogue). Its gap to the default row is what the per-128-K promotion
+costs; its gap to cuBLASLt is the pipeline's own. Not SPEC's math: its numbers are not checked against anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,6 +28,8 @@ import time
 import traceback
 
 import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,6 +55,15 @@ DECODE = {
     "d64x256_s5_persist": C(tile_m=64, tile_n=256, max_concurrent_steps=5, num_compute_wgs=1),
     "d64x128_k2_s4": C(tile_m=64, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
                        persistent=False),
+    "d64x64_k2_s4": C(tile_m=64, tile_n=64, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
+                      persistent=False),
+    # Deeper: more weight bytes in flight per SM when fewer CTAs than SMs stream it.
+    "d64x64_k2_s6": C(tile_m=64, tile_n=64, max_concurrent_steps=6, k_blocks_per_step=2, num_compute_wgs=1,
+                      persistent=False),
+    # Shallow enough (84 KiB) for two CTAs per SM: all 160 tiles of N=10240 resident at once.
+    "d64x64_k2_s2": C(tile_m=64, tile_n=64, max_concurrent_steps=2, k_blocks_per_step=2, num_compute_wgs=1,
+                      persistent=False),
+    "d64x128_k1_s8": C(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=1, persistent=False),
 }
 # Medium M: 2 consumer warpgroups side by side in N.
 MEDIUM = {
@@ -106,6 +124,53 @@ def _reference_f32(a_q, b_q, a_s_col, b_s, bias):
   return jax.lax.fori_loop(0, groups, body, jnp.zeros((m, n), jnp.float32)) + bias[None, :]
 
 
+class _UnscaledPlgpu:
+  """plgpu, except that the warp-specialized pipeline's carry is a set of wgmma accumulators (`plgpu.ACC`) that live
+  across the whole K loop, loaded into registers once at the end for the kernel's own epilogue."""
+
+  def __getattr__(self, name):
+    return getattr(plgpu, name)
+
+  @staticmethod
+  def emit_pipeline_warp_specialized(body, *, compute_context, **kwargs):
+    def context(run_pipeline):
+      def run_with_accumulators(init_values):
+        def scope(*acc_refs):
+          run_pipeline(acc_refs)
+          return tuple(ref[...] for ref in acc_refs)
+        return pl.run_scoped(scope, *(plgpu.ACC(v.shape, jnp.float32) for v in init_values))
+      return compute_context(run_with_accumulators)
+    return plgpu.emit_pipeline_warp_specialized(body, compute_context=context, **kwargs)
+
+
+def _unscaled_step(acc_refs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, n_block0, cfg, num_k_blocks, num_n_blocks):
+  """The step of gm._scaled_mma_step with the promotion taken out: every K block accumulates in the wgmma
+  accumulator; one wait per step, so that the pipeline may release the step's SMEM."""
+  del as_smem, bs_gmem, k_step, n_block0, num_k_blocks, num_n_blocks
+  wg_m, wg_n = cfg.wg_tile
+  subs_n = wg_n // cfg.sub_n
+  for i in range(wg_m // gm.WGMMA_M):
+    for j in range(subs_n):
+      for kb in range(cfg.k_blocks_per_step):
+        ks = pl.ds(kb * gm.BLOCK, gm.BLOCK)
+        plgpu.wgmma(acc_refs[i * subs_n + j], a_smem.at[pl.ds(i * gm.WGMMA_M, gm.WGMMA_M), ks],
+                    b_smem.at[pl.ds(j * cfg.sub_n, cfg.sub_n), ks].T)
+  plgpu.wgmma_wait(0)
+  return acc_refs
+
+
+@contextlib.contextmanager
+def unscaled_promotion():
+  """Diagnostic (module docstring, --unscaled): traces gm's warp-specialized kernel without the block-scale
+  promotion. Only for timing; restores the module on exit."""
+  saved = gm.plgpu, gm._scaled_mma_step
+  gm.plgpu, gm._scaled_mma_step = _UnscaledPlgpu(), _unscaled_step
+  try:
+    yield
+  finally:
+    gm.plgpu, gm._scaled_mma_step = saved
+
+
 def _short(e: BaseException) -> str:
   return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
@@ -145,7 +210,10 @@ def check_configs(results: dict, deadline: float) -> int:
   return failures
 
 
-def _configs_for(m: int) -> dict[str, MosaicGemmConfig]:
+def _configs_for(m: int, only: str | None = None) -> dict[str, MosaicGemmConfig]:
+  """The sweep candidates for row count m (`only` picks one group regardless of m)."""
+  if only is not None:
+    return {"decode": DECODE, "medium": MEDIUM, "prefill": PREFILL}[only]
   if m <= 64:
     return {**DECODE, "m64x128_n_s7": MEDIUM["m64x128_n_s7"]}
   if m <= 256:
@@ -164,10 +232,12 @@ def _xla_fp8_dot(a_q, b_q, a_s, b_s):
   return jax.lax.dot_general(a_q, b_q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
 
 
-def time_configs(results: dict, deadline: float, quick: bool):
-  """Pass 1: the heuristic's config and the cuBLASLt yardstick everywhere. Pass 2: the sweep candidates."""
+def time_configs(results: dict, deadline: float, quick: bool, shapes=TIMED_SHAPES, ms=TIMED_M,
+                 only: str | None = None, unscaled: bool = False):
+  """Pass 1: the heuristic's config and the cuBLASLt yardstick everywhere (and, with `unscaled`, the heuristic's
+  config without the promotion at M > 64). Pass 2: the sweep candidates."""
   weights = {}
-  for n, k in TIMED_SHAPES:
+  for n, k in shapes:
     num_sets = min(8, max(1, math.ceil(3 * L2_BYTES / (n * k))))  # rotate through > 3x the L2 of weights
     weights[n, k] = _problem(jax.random.key(n + k), 4, n, k, num_sets)[2]
   activations = {}
@@ -191,28 +261,37 @@ def time_configs(results: dict, deadline: float, quick: bool):
     flops, weight_bytes = 2.0 * m * n * k, n * k
     row = dict(case=case, m=m, n=n, k=k, config=name, us=us, tflops=flops / us / 1e6,
                weight_gbps=weight_bytes / us / 1e3, floor_ratio=us / (weight_bytes / HBM_BYTES_PER_S * 1e6))
+    if name == "default_unscaled":
+      # Proof that it did the whole product: against the unscaled f32 product of the same codes.
+      plain = jnp.dot(a_q.astype(jnp.float32), arg_sets[0][1].astype(jnp.float32).T)
+      diff = fn(*arg_sets[0]).astype(jnp.float32) - plain
+      row["rel_err_vs_unscaled_product"] = float(jnp.linalg.norm(diff) / jnp.linalg.norm(plain))
     if isinstance(config, MosaicGemmConfig):
       row["config_fields"] = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(config)}
     results["timings"].append(row)
     print(f"time {case:44s}: {us:9.1f} us {row['tflops']:7.1f} TFLOP/s {row['weight_gbps']:6.0f} GB/s "
-          f"floor x{row['floor_ratio']:.2f}", flush=True)
+          f"floor x{row['floor_ratio']:.2f}" + (f" rel_err {row['rel_err_vs_unscaled_product']:.1e} vs the unscaled "
+          "product" if name == "default_unscaled" else ""), flush=True)
 
-  for n, k in TIMED_SHAPES:
-    for m in TIMED_M:
+  for n, k in shapes:
+    for m in ms:
       measure(m, n, k, "default", gm.default_config(m, n, k))
       measure(m, n, k, "xla_fp8_dot", "xla")
+      if unscaled and m > gm.WGMMA_M:
+        with unscaled_promotion():
+          measure(m, n, k, "default_unscaled", gm.default_config(m, n, k))
   if quick:
     return
-  for m in TIMED_M:
-    for n, k in TIMED_SHAPES:
-      for name, config in _configs_for(m).items():
+  for m in ms:
+    for n, k in shapes:
+      for name, config in _configs_for(m, only).items():
         measure(m, n, k, name, _fit(config))
 
 
 def summarize(results: dict):
   best: dict[tuple[int, int, int], dict] = {}
   for row in results["timings"]:
-    if "us" not in row or row["config"] == "xla_fp8_dot":
+    if "us" not in row or row["config"] in ("xla_fp8_dot", "default_unscaled"):
       continue
     key = (row["m"], row["n"], row["k"])
     if key not in best or row["us"] < best[key]["us"]:
@@ -231,7 +310,15 @@ def main() -> int:
   parser.add_argument("--budget_s", type=float, default=200.0, help="stop starting new measurements after this")
   parser.add_argument("--quick", action="store_true", help="time only the heuristic's config")
   parser.add_argument("--skip_checks", action="store_true")
+  parser.add_argument("--shapes", default=None, help="N,K pairs separated by ';' (default: 24576,7168;7168,2048)")
+  parser.add_argument("--m", default=None, help="comma-separated M values (default: 1,16,64,256,1024,4096)")
+  parser.add_argument("--only", choices=("decode", "medium", "prefill"), default=None,
+                      help="sweep this candidate group at every M instead of the group for each M")
+  parser.add_argument("--unscaled", action="store_true", help="add the no-promotion diagnostic rows (docstring)")
   args = parser.parse_args()
+  shapes = TIMED_SHAPES if args.shapes is None else [
+      tuple(int(v) for v in pair.split(",")) for pair in args.shapes.split(";")]
+  ms = TIMED_M if args.m is None else [int(v) for v in args.m.split(",")]
   start = time.monotonic()
   if not _platform.is_hopper():
     print(f"needs a Hopper GPU; found {jax.devices()}", file=sys.stderr)
@@ -243,7 +330,7 @@ def main() -> int:
     if not args.skip_checks:
       # Checks get at most 35% of the budget; timing is what this script is for.
       failures = check_configs(results, start + 0.35 * args.budget_s)
-    time_configs(results, start + args.budget_s, args.quick)
+    time_configs(results, start + args.budget_s, args.quick, shapes, ms, args.only, args.unscaled)
     summarize(results)
   finally:
     results["elapsed_s"] = time.monotonic() - start
