@@ -41,8 +41,9 @@ KINDS: dict[str, MosaicGemmConfig] = {
     "simple_128x256": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=2, warp_specialized=False),
     # Prefill: 2 consumer warpgroups stacked in M (64x128 each), persistent.
     "ws2_m_128x128": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, grid_size=2),
-    "ws2_m_128x128_k2_epi32": MosaicGemmConfig(
-        tile_m=128, tile_n=128, max_concurrent_steps=2, k_blocks_per_step=2, epi_tile_n=32, grid_size=3,
+    # Two K blocks per step with the 16-column epilogue stores of the shipped config of that kind.
+    "ws2_m_128x128_k2_epi16": MosaicGemmConfig(
+        tile_m=128, tile_n=128, max_concurrent_steps=2, k_blocks_per_step=2, epi_tile_n=16, grid_size=3,
         grid_minor_dim=Dim.N, grid_tile_width=2),
     # 128x128 per warpgroup (two 64-row sub-tiles each), in both splits.
     "ws2_m_256x128": MosaicGemmConfig(tile_m=256, tile_n=128, max_concurrent_steps=2, grid_size=2),
@@ -117,7 +118,7 @@ def test_single_k_block_and_odd_tiles(rng, kind):
     ("ws2_n_128x256", jnp.float16, jnp.float16),
     ("ws1_64x128", jnp.bfloat16, jnp.bfloat16),
     ("simple_64x128_k2", jnp.float32, jnp.float32),
-    ("ws2_m_128x128_k2_epi32", jnp.float32, None),
+    ("ws2_m_128x128_k2_epi16", jnp.float32, None),
     ("simple_128x256", jnp.bfloat16, None),
 ])
 def test_out_dtypes_and_bias(rng, kind, out_dtype, bias_dtype):
@@ -130,7 +131,7 @@ def test_out_dtypes_and_bias(rng, kind, out_dtype, bias_dtype):
   _check(out, a_q, b_q, a_s, b_s, out_dtype, bias=None if bias is None else bias.astype(np.float32))
 
 
-@pytest.mark.parametrize("kind", ["simple_128x256", "ws2_m_128x128_k2_epi32", "ws2_n_128x256", "ws1_64x64"])
+@pytest.mark.parametrize("kind", ["simple_128x256", "ws2_m_128x128_k2_epi16", "ws2_n_128x256", "ws1_64x64"])
 def test_exact_small_integers(rng, kind):
   # SPEC 2 exactness: integer fp8 in [-4, 4], power-of-two scales in [1/4, 4], K <= 2048 -> bit-exact fp32.
   m, n, k = 132, 256, 640
@@ -304,6 +305,18 @@ def test_config_kinds_lower_for_cuda(kind):
     _lower(m, n, k, config)
 
 
+def test_default_config_follows_the_measurements():
+  """The choices the H200 sweeps made (gemm_mosaic.default_config's comments), and the k2 prefill choice lowers."""
+  pick = lambda m, n, k: gm.default_config(m, n, k, num_sms=132)
+  assert (pick(16, 7168, 18432).tile_n, pick(64, 7168, 18432).tile_n, pick(64, 24576, 7168).tile_n) == (128, 64, 128)
+  for m, n, k in [(4096, 24576, 7168), (1024, 24576, 7168), (4096, 7168, 18432), (4096, 10240, 5120)]:
+    assert (pick(m, n, k).tile_n, pick(m, n, k).wg_split) == (256, Dim.N), (m, n, k)
+  qwen3_qkv = pick(1024, 10240, 5120)  # 320 tiles of 128x256 leave 76 of 396 slots empty
+  assert (qwen3_qkv.tile_n, qwen3_qkv.k_blocks_per_step, qwen3_qkv.epi_tile_n) == (128, 2, 16)
+  with _platform.abstract_h200():
+    _lower(1024, 10240, 5120, gm.default_config(1024, 10240, 5120))
+
+
 def test_heuristic_lowers_for_model_shapes():
   for n, k in MODEL_SHAPES:
     for m in (1, 12, 300, 4100):
@@ -370,13 +383,14 @@ def _check_on_gpu(m, n, k, config, out_dtype, seed, with_bias=True):
 
 
 # DeepSeek-V3 (full, TP8) and Qwen3-32B weights: wide and narrow N, long and short K, K % 256 != 0 (1152 = 9 blocks).
-GPU_SHAPES = [(24576, 7168), (7168, 2048), (1536, 7168), (3072, 1536), (4096, 512), (5120, 25600), (7168, 1152)]
+GPU_SHAPES = [(24576, 7168), (7168, 2048), (1536, 7168), (3072, 1536), (4096, 512), (5120, 25600), (7168, 1152),
+              (10240, 5120)]
 
 
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 64, 200, 4096])
+@pytest.mark.parametrize("m", [1, 16, 64, 200, 1024, 4096])  # every kind of default config (Qwen3 qkv M=1024: k2)
 def test_gpu_default_config_model_shapes(n, k, m):
   if m * n * k > 4096 * 24576 * 7168:
     pytest.skip("larger than the prefill benchmark shape")
