@@ -68,7 +68,7 @@ def candidate_configs(m: int, n: int, k: int, block_size: tuple[int, int], *, ma
           (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 8, 5), (128, 256, 128, 8, 8, 3), (256, 128, 128, 8, 8, 3),
           (128, 128, 256, 8, 8, 2), (128, 128, 256, 8, 8, 3), (128, 128, 128, 16, 8, 3), (128, 128, 128, 4, 8, 3),
           (64, 128, 128, 8, 4, 4), (128, 64, 128, 8, 4, 4), (128, 256, 128, 8, 8, 4), (64, 256, 128, 8, 8, 4),
-          # Around the 2026-11-29 winner (128x128x256 w8 s3): other tile orders and a taller tile.
+          # Around the session-2 winner (128x128x256 w8 s3): other tile orders and a taller tile.
           (128, 128, 256, 16, 8, 3), (128, 128, 256, 4, 8, 3), (256, 128, 256, 8, 8, 2)):
         out.append(TritonGemmConfig(bm, bn, bk, group_m, warps, stages, split, False))
   seen, unique = set(), []
