@@ -97,6 +97,8 @@ def per_tensor_fp8_matmul_baseline(
   """BASELINE, not an implementation: fp8 x fp8 `dot_general` with one float32 scale per operand.
 
   On NVIDIA GPUs XLA sends this to cuBLASLt's FP8 GEMM: the speed ceiling of a library GEMM without block scales.
+  The product leaves cuBLASLt in out_dtype and is scaled afterwards (after its rounding; nothing checks this output):
+  asking for a float32 product instead cost a float32 output and a cast of its own (see benchmarks/README.md).
   """
-  acc = _contract_k(a_q, b_q, preferred_element_type=jnp.float32)
-  return (acc * (a_scale * b_scale)).astype(out_dtype)
+  acc = _contract_k(a_q, b_q, preferred_element_type=out_dtype)
+  return acc * (a_scale * b_scale).astype(out_dtype)

@@ -539,6 +539,20 @@ def _fake_median_kernel_us(fn, arg_sets, *, iterations=30, sync=jax.block_until_
   return 1.0
 
 
+def test_per_tensor_baseline_is_the_scaled_product(rng):
+  # The bench's ceiling computes a different (coarser) quantization, so the bench never checks it: this does.
+  a = rng.standard_normal((5, 256)).astype(np.float32)
+  b = rng.standard_normal((24, 256)).astype(np.float32)
+  a_q, b_q = jnp.asarray(a * 100, jnp.float8_e4m3fn), jnp.asarray(b * 100, jnp.float8_e4m3fn)
+  a_scale, b_scale = np.float32(0.01), np.float32(0.03)
+  out = gemm_xla.per_tensor_fp8_matmul_baseline(a_q, b_q, jnp.float32(a_scale), jnp.float32(b_scale))
+  exact = np.asarray(a_q, np.float64) @ np.asarray(b_q, np.float64).T * (float(a_scale) * float(b_scale))
+  assert out.dtype == jnp.bfloat16 and out.shape == (5, 24)
+  # Three bf16 roundings (the product, the scale product, the scaled product), each off by at most the unit roundoff
+  # u = 2**-8 relative (30 seeds reached 2.15u).
+  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 3 * 2.0 ** -8 * np.abs(exact))
+
+
 def test_bench_gemm_plumbing(monkeypatch, tmp_path):
   from jaxfp8 import bench_gemm, timing
   monkeypatch.setattr(timing, "median_kernel_us", _fake_median_kernel_us)
