@@ -444,21 +444,20 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
     # session 4, M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Waves are counted per 128x256 of work, the 128x128
     # schedule charged 3%.
     wider_tiles = pl.cdiv(m, 128) * pl.cdiv(n, 256)
-    wider = _balance(wider_tiles, num_sms)
-    wide = _balance(pl.cdiv(m, 128) * (n // 128), num_sms)
+    wide_tiles = pl.cdiv(m, 128) * (n // 128)
     narrow = 0.8 * _balance(pl.cdiv(m, 64) * (n // 128), num_sms)
-    half_tile_waves = 0.5 * pl.cdiv(pl.cdiv(m, 128) * (n // 128), num_sms)
-    if wider >= 0.8 and 1.03 * half_tile_waves < pl.cdiv(wider_tiles, num_sms):
-      # Three stages of 2 x 32 KiB leave room for 16-column epilogue stores only.
-      config = MosaicGemmConfig(
-          tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
-          epi_tile_n=16,
-      )
-    elif wider >= 0.8:
-      config = MosaicGemmConfig(
-          tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n,
-      )
-    elif wide >= narrow:
+    if _balance(wider_tiles, num_sms) >= 0.8:
+      if 1.03 * 0.5 * pl.cdiv(wide_tiles, num_sms) < pl.cdiv(wider_tiles, num_sms):
+        # Three stages of 2 x 32 KiB leave room for 16-column epilogue stores only.
+        config = MosaicGemmConfig(
+            tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
+            epi_tile_n=16,
+        )
+      else:
+        config = MosaicGemmConfig(
+            tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n,
+        )
+    elif _balance(wide_tiles, num_sms) >= narrow:
       config = MosaicGemmConfig(
           tile_m=128, tile_n=128, max_concurrent_steps=6, num_compute_wgs=2, wg_split=Dim.M, grid_minor_dim=Dim.M,
           grid_tile_width=8, epi_tile_n=epi_tile_n,

@@ -313,8 +313,7 @@ def test_default_config_follows_the_measurements():
     assert (pick(m, n, k).tile_n, pick(m, n, k).wg_split) == (256, Dim.N), (m, n, k)
   qwen3_qkv = pick(1024, 10240, 5120)  # 320 tiles of 128x256 leave 76 of 396 slots empty
   assert (qwen3_qkv.tile_n, qwen3_qkv.k_blocks_per_step, qwen3_qkv.epi_tile_n) == (128, 2, 16)
-  with _platform.abstract_h200():
-    _lower(1024, 10240, 5120, gm.default_config(1024, 10240, 5120))
+  _lower(1024, 10240, 5120, qwen3_qkv)
 
 
 def test_heuristic_lowers_for_model_shapes():
