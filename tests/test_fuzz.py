@@ -210,7 +210,7 @@ def _check_gemm(rng, m, n, k, block_size, out_dtype, column_major, with_bias, im
                       f"col={column_major} bias={with_bias}")
 
 
-@_examples(ci=40, gpu=150)
+@_examples(ci=40, gpu=300)
 @given(seed=seeds, m=st.integers(0, 300), n=st.integers(1, 300), k=st.integers(1, 600),
        block_size=st.sampled_from([(128, 128), (64, 128), (128, 64), (32, 32), (96, 48), (1, 128)]),
        out_dtype=out_dtypes, column_major=st.booleans(), with_bias=st.booleans())
@@ -218,7 +218,7 @@ def test_gemm_xla(seed, m, n, k, block_size, out_dtype, column_major, with_bias)
   _check_gemm(np.random.default_rng(seed), m, n, k, block_size, out_dtype, column_major, with_bias, "xla")
 
 
-@_examples(ci=6, gpu=120)
+@_examples(ci=6, gpu=200)
 @given(seed=seeds, data=st.data(), block_size=st.sampled_from([(128, 128), (64, 64), (128, 32), (32, 128)]),
        out_dtype=out_dtypes, column_major=st.booleans(), with_bias=st.booleans())
 def test_gemm_triton(seed, data, block_size, out_dtype, column_major, with_bias):
@@ -242,7 +242,7 @@ def test_gemm_mosaic(seed, data, out_dtype, column_major, with_bias):
 
 # ---- the linear ----------------------------------------------------------------------------------------------------
 
-@_examples(ci=15, gpu=100)
+@_examples(ci=15, gpu=150)
 @given(seed=seeds, lead=st.lists(st.integers(0, 20), min_size=1, max_size=3).filter(lambda l: np.prod(l) <= 300),
        n=st.integers(1, 300), groups=st.integers(1, 3), block_size=st.sampled_from([(128, 128), (64, 64), (32, 128)]),
        dtype=dtype_names, with_bias=st.booleans(), implementation=st.sampled_from([None, "xla"]))
