@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.exact_division import divide_correctly_rounded
+from jaxfp8._exact_division import divide_correctly_rounded
 
 FP8_MAX = 448.0
 R = float(np.float32(1.0 / 448.0))

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxfp8 import _checks, gemm, gemm_xla
-from pallas_kernels import exact_division
+from jaxfp8 import _checks, _exact_division, gemm, gemm_xla
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
@@ -115,7 +114,7 @@ def _quantize_weight(w, *, block_size, eps):
   scale = amax * R
   # Correctly rounded (XLA turns a division by a broadcast into a reciprocal multiply: on the H200 3 codes in
   # 12480 came out one step off).
-  quotient = exact_division.divide_correctly_rounded(padded, scale[:, None, :, None])
+  quotient = _exact_division.divide_correctly_rounded(padded, scale[:, None, :, None])
   q = jnp.where(jnp.isnan(quotient), quotient, jnp.clip(quotient, -FP8_MAX, FP8_MAX)).astype(FP8)
   return q.reshape(nb * gn, kb * gk)[:n, :k], scale
 

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import exact_division
+from jaxfp8 import _exact_division
 
 FP8_MAX = 448.0
 # float32(1/448): scale = amax * R, a multiply every backend rounds identically (SPEC 1).
@@ -69,7 +69,7 @@ def _divide(x: jax.Array, s: jax.Array, r: jax.Array, *, interpret: bool) -> jax
   scales (a group holding inf) take the plain quotient, whose x/inf = 0 and inf/inf = NaN are what IEEE gives.
   """
   if interpret:  # XLA executes the body: its `/` becomes a reciprocal multiply
-    return exact_division.divide_correctly_rounded(x, s)
+    return _exact_division.divide_correctly_rounded(x, s)
   (corrected,) = plt.elementwise_inline_asm(
       """{
       .reg .f32 q0, neg_q0, residual;

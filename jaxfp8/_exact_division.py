@@ -1,4 +1,4 @@
-"""x / s correctly rounded in plain jnp, for XLA code and for interpret-mode kernels (pallas_kernels.quant_triton).
+"""x / s correctly rounded in plain jnp: the XLA quantizer, weight quantization, and the Triton quantizer interpreted.
 
 XLA rewrites a division by a broadcast into a multiply by the reciprocal (on CPU and GPU), which leaves a quantized
 code one fp8 step off now and then; SPEC.md asks for the correctly rounded quotient.
