@@ -23,7 +23,10 @@ Two kernels share the math:
     visited in `plgpu.planar_snake` order for L2 reuse) and a TMA epilogue through SMEM with the bias fused.
 
 Each consumer warpgroup owns a (wg_m, wg_n) part of the CTA tile, processed as 64-row "sub-tiles" of at most 128
-columns: a sub-tile never straddles a 128-column weight-scale block, so its b_s is one scalar. The running
+columns. When the tile width divides 128 or is a multiple of it, a sub-tile never straddles a 128-column weight-scale
+block, so its b_s is one scalar. Other widths (multiples of 8, e.g. 80 columns so that N=10240 makes 128 tiles for
+132 SMs) give sub-tiles that may straddle one block boundary: each column then takes the b_s of its own block,
+selected from the two blocks' scalars, and N must be a multiple of the tile width. The running
 accumulator costs wg_m * wg_n / 128 registers per thread and each fresh accumulator 64 * sub_n / 128 more, so
 wg_m * wg_n <= 128 * 128 keeps everything in registers (ptxas spills beyond that; the result stays correct).
 With k_blocks_per_step = 2 a sub-tile issues the wgmmas of both K blocks before scaling the first, so the second
@@ -77,7 +80,8 @@ class Dim(enum.IntEnum):
 class MosaicGemmConfig:
   """Tiling and schedule of the Mosaic GPU block-FP8 GEMM.
 
-  tile_m, tile_n: the CTA output tile. tile_m a multiple of 64, tile_n one of 64, 128, 256.
+  tile_m, tile_n: the CTA output tile. tile_m a multiple of 64; tile_n a multiple of 8 up to 256. A tile_n that
+    neither divides 128 nor is a multiple of it scales per column (`scales_per_column`) and needs N % tile_n == 0.
   max_concurrent_steps: TMA pipeline depth (stages in SMEM).
   k_blocks_per_step: 128-wide K blocks per pipeline step (1 or 2). With 2, each sub-tile's second wgmma overlaps the
     scaling of the first.
@@ -86,8 +90,9 @@ class MosaicGemmConfig:
   num_compute_wgs: consumer warpgroups (1 or 2; warp-specialized only). wg_split: the dimension they split the tile
     along.
   grid_minor_dim, grid_tile_width: the persistent tile order (`plgpu.planar_snake`).
-  epi_tile_n: columns per epilogue TMA store; None = 128 bytes' worth (64 for 16-bit outputs, 32 for float32), which
-    is also the most (the epilogue buffers are rows of at most one 128-byte swizzle span).
+  epi_tile_n: columns per epilogue TMA store; None = the most that divides the sub-tile width and fits in 128 bytes
+    (64 for 16-bit outputs and 32 for float32 at the usual widths), 128 bytes being the limit (the epilogue buffers
+    are rows of at most one 128-byte swizzle span).
   persistent: warp-specialized only. False launches one CTA per tile instead of looping over tiles on num_sms CTAs
     (for the small-M configs, where several CTAs per SM can overlap their latency).
   grid_size: CTAs of the persistent grid; None = one per SM (tests set it small to exercise the tile loop).
@@ -123,13 +128,24 @@ class MosaicGemmConfig:
     return self.tile_m, self.tile_n // self.num_wgs
 
   @property
+  def scales_per_column(self) -> bool:
+    """Whether a sub-tile can straddle a 128-column weight-scale block (tile_n neither divides 128 nor is a multiple
+    of it), so that the weight scale is chosen per column."""
+    return self.tile_n % BLOCK != 0 and BLOCK % self.tile_n != 0
+
+  @property
   def sub_n(self) -> int:
-    """Columns of one sub-tile (one wgmma and one b_s scalar)."""
-    return min(self.wg_tile[1], BLOCK)
+    """Columns of one sub-tile (one wgmma; one b_s scalar unless `scales_per_column`): the warpgroup's columns in
+    as few equal parts of at most 128 as there can be."""
+    wg_n = self.wg_tile[1]
+    return wg_n // pl.cdiv(wg_n, BLOCK)
 
   def epi_n(self, out_dtype) -> int:
     """Columns per epilogue store for this output dtype."""
-    return self.epi_tile_n or 128 // jnp.dtype(out_dtype).itemsize
+    if self.epi_tile_n:
+      return self.epi_tile_n
+    widest = 128 // jnp.dtype(out_dtype).itemsize
+    return next(w for w in (64, 32, 16, 8) if w <= widest and self.sub_n % w == 0)
 
   def validate(self) -> None:
     """Raises ValueError for a config this kernel cannot build."""
@@ -137,17 +153,18 @@ class MosaicGemmConfig:
       raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
     if self.k_blocks_per_step not in (1, 2):
       raise ValueError(f"k_blocks_per_step must be 1 or 2, got {self.k_blocks_per_step}")
-    if self.tile_n not in (64, 128, 256):
-      raise ValueError(f"tile_n must be 64, 128 or 256, got {self.tile_n}")
+    if self.tile_n % 8 or not 0 < self.tile_n <= 256:
+      raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {self.tile_n}")
     if self.tile_m % WGMMA_M or not 0 < self.tile_m <= 256:
       raise ValueError(f"tile_m must be a multiple of {WGMMA_M} in [64, 256], got {self.tile_m}")
     wg_m, wg_n = self.wg_tile
     if wg_m % WGMMA_M or wg_m == 0:
       raise ValueError(f"each consumer warpgroup needs a multiple of {WGMMA_M} rows; config gives {wg_m}")
-    if wg_n % 64 or wg_n == 0:
-      raise ValueError(f"each consumer warpgroup needs a multiple of 64 columns; config gives {wg_n}")
-    if self.epi_tile_n is not None and (self.epi_tile_n not in (16, 32, 64) or self.sub_n % self.epi_tile_n):
-      raise ValueError(f"epi_tile_n must be 16, 32 or 64 and divide the sub-tile width {self.sub_n}, "
+    if wg_n % 8 or wg_n == 0 or wg_n % pl.cdiv(wg_n, BLOCK) or self.sub_n % 8:
+      raise ValueError(f"each consumer warpgroup needs a multiple of 8 columns that splits into equal sub-tiles of "
+                       f"at most {BLOCK} columns, each a multiple of 8; config gives {wg_n}")
+    if self.epi_tile_n is not None and (self.epi_tile_n not in (8, 16, 32, 64) or self.sub_n % self.epi_tile_n):
+      raise ValueError(f"epi_tile_n must be 8, 16, 32 or 64 and divide the sub-tile width {self.sub_n}, "
                        f"got {self.epi_tile_n}")
     if self.max_concurrent_steps < 1:
       raise ValueError(f"max_concurrent_steps must be >= 1, got {self.max_concurrent_steps}")
@@ -176,27 +193,45 @@ def _zero_accumulators(cfg: MosaicGemmConfig) -> tuple[jax.Array, ...]:
   return tuple(zeros for _ in range((wg_m // WGMMA_M) * (wg_n // cfg.sub_n)))
 
 
+def _weight_scales(bs_gmem, col_ids, k_block, sub_col0, cfg: MosaicGemmConfig, num_n_blocks: int):
+  """The weight scales of the sub-tile whose first column is sub_col0, for one K block: a scalar, or with
+  `cfg.scales_per_column` a (sub_n,) vector (column layout) taking each column's scale from the block it lies in.
+
+  Clamped indices only occur for blocks past N, whose outputs are clipped (or, per column, never selected).
+  """
+  first = sub_col0 // BLOCK
+  scale = bs_gmem[jnp.minimum(first, num_n_blocks - 1), k_block]
+  if not cfg.scales_per_column:
+    return scale
+  # A sub-tile of at most 128 columns meets at most two blocks: the columns before the next block's first column
+  # take this block's scale.
+  next_scale = bs_gmem[jnp.minimum(first + 1, num_n_blocks - 1), k_block]
+  return jnp.where(col_ids < (first + 1) * BLOCK - sub_col0, scale, next_scale)
+
+
 def _scaled_mma_step(
-    accs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, n_block0, cfg: MosaicGemmConfig, num_k_blocks: int,
+    accs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg: MosaicGemmConfig, num_k_blocks: int,
     num_n_blocks: int,
 ):
   """One pipeline step of one consumer warpgroup: accs[i, j] += sum over the step's K blocks of scaled partials.
 
   a_smem: (wg_m, bk) rows of this warpgroup; b_smem: (wg_n, bk) columns of this warpgroup; as_smem: (kbps, wg_m)
-  activation scales; bs_gmem: the (N // 128, K // 128) weight scales; n_block0: the 128-column block of the
-  warpgroup's first column; k_step: the pipeline step.
+  activation scales; bs_gmem: the (N // 128, K // 128) weight scales; col0: the warpgroup's first output column;
+  k_step: the pipeline step.
   """
   wg_m, wg_n = cfg.wg_tile
   sub_n, kbps = cfg.sub_n, cfg.k_blocks_per_step
   subs_m, subs_n = wg_m // WGMMA_M, wg_n // sub_n
-  # Scalars first: their global-memory latency hides behind the wgmmas. Clamped indices only occur for blocks past N
-  # or K, whose partials are zero (TMA zero fill) and whose outputs are clipped.
+  col_ids = None
+  if cfg.scales_per_column:
+    col_ids = plgpu.broadcasted_iota(jnp.int32, (sub_n,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+  # Scalars first: their global-memory latency hides behind the wgmmas. A K block past K (clamped) has zero
+  # partials (TMA zero fill).
   b_scales = {}
   for kb in range(kbps):
     k_block = jnp.minimum(k_step * kbps + kb, num_k_blocks - 1)
     for j in range(subs_n):
-      n_block = jnp.minimum(n_block0 + (j * sub_n) // BLOCK, num_n_blocks - 1)
-      b_scales[kb, j] = bs_gmem[n_block, k_block]
+      b_scales[kb, j] = _weight_scales(bs_gmem, col_ids, k_block, col0 + j * sub_n, cfg, num_n_blocks)
   new_accs = list(accs)
   for i in range(subs_m):
     rows = pl.ds(i * WGMMA_M, WGMMA_M)
@@ -214,8 +249,13 @@ def _scaled_mma_step(
         for kb, fresh in enumerate(fresh_refs):
           # Wait only for this K block's wgmma: the later ones keep the tensor cores busy meanwhile.
           partial = plgpu.wgmma_accumulator_load(fresh, wait_n=kbps - 1 - kb)
-          scale = row_scales[kb] * b_scales[kb, j]
-          acc = acc + partial * lax.broadcast_in_dim(scale, (WGMMA_M, sub_n), [0])
+          shape = (WGMMA_M, sub_n)
+          if cfg.scales_per_column:
+            scale = (lax.broadcast_in_dim(row_scales[kb], shape, [0])
+                     * lax.broadcast_in_dim(b_scales[kb, j], shape, [1]))
+          else:
+            scale = lax.broadcast_in_dim(row_scales[kb] * b_scales[kb, j], shape, [0])
+          acc = acc + partial * scale
         return acc
 
       new_accs[i * subs_n + j] = pl.run_scoped(
@@ -227,7 +267,8 @@ def _scaled_mma_step(
 def _finish_subtile(acc, bias_gmem, col0, n: int, out_dtype, sub_n: int):
   """bias (added in f32) and the output cast of one (64, sub_n) sub-tile whose first column is col0."""
   if bias_gmem is not None:
-    # A sub-tile lies wholly inside or wholly past N (N % 128 == 0); clamping keeps the load of one past N in bounds.
+    # A sub-tile lies wholly inside or wholly past N (N % 128 == 0, and N % tile_n == 0 for the widths that scale per
+    # column); clamping keeps the load of one past N in bounds.
     start = jnp.minimum(col0, n - sub_n)
     bias = plgpu.load(bias_gmem.at[pl.ds(start, sub_n)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
     acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), acc.shape, [1])
@@ -240,8 +281,9 @@ def _epilogue_smem(num_wgs: int, out_dtype, epi_n: int):
   row_bytes = epi_n * jnp.dtype(out_dtype).itemsize
   if row_bytes > 128:
     raise ValueError(f"epilogue rows of {epi_n} x {jnp.dtype(out_dtype).name} exceed 128 bytes")
-  return plgpu.SMEM((num_wgs, 2, WGMMA_M, epi_n), out_dtype,
-                    transforms=(plgpu.SwizzleTransform(plgpu.find_swizzle(row_bytes * 8)),))
+  # 16-byte rows (8 columns of 16 bits) are stored unswizzled: Mosaic GPU swizzles spans of 32 bytes or more.
+  transforms = (plgpu.SwizzleTransform(plgpu.find_swizzle(row_bytes * 8)),) if row_bytes >= 32 else ()
+  return plgpu.SMEM((num_wgs, 2, WGMMA_M, epi_n), out_dtype, transforms=transforms)
 
 
 def _epilogue(accs, slots, out_gmem, bias_gmem, row0, col0, cfg: MosaicGemmConfig):
@@ -297,7 +339,7 @@ def _simple_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, out_sm
   def step(indices, a_smem, b_smem, as_smem, accs):
     (k_step,) = indices
     return _scaled_mma_step(
-        accs, a_smem, b_smem, as_smem, bs_gmem, k_step=k_step, n_block0=(n_idx * cfg.tile_n) // BLOCK, cfg=cfg,
+        accs, a_smem, b_smem, as_smem, bs_gmem, k_step=k_step, col0=n_idx * cfg.tile_n, cfg=cfg,
         num_k_blocks=num_k_blocks, num_n_blocks=num_n_blocks,
     )
 
@@ -366,7 +408,7 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, *, cfg: Mo
             as_smem.at[:, pl.ds(wg_row0, wg_m)],
             bs_gmem,
             k_step=k_step,
-            n_block0=col0 // BLOCK,
+            col0=col0,
             cfg=cfg,
             num_k_blocks=num_k_blocks,
             num_n_blocks=num_n_blocks,
@@ -469,11 +511,16 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
   return _fit_smem(config, out_dtype, pl.cdiv(k // BLOCK, config.k_blocks_per_step))
 
 
-def check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config: MosaicGemmConfig) -> None:
+def check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config: MosaicGemmConfig, out_rows: int | None = None
+                    ) -> None:
   """Raises ValueError naming the argument for anything this kernel does not do."""
   if a_q.ndim != 2 or b_q.ndim != 2:
     raise ValueError(f"a_q and b_q must be 2-D, got shapes {a_q.shape} and {b_q.shape}")
   m, k = a_q.shape
+  if out_rows is not None:
+    if isinstance(out_rows, bool) or not isinstance(out_rows, int) or not 0 < out_rows <= m:
+      raise ValueError(f"out_rows must be an int in [1, a_q rows = {m}], got {out_rows!r}")
+    m = out_rows
   n, k2 = b_q.shape
   fp8 = jnp.dtype(jnp.float8_e4m3fn)
   if a_q.dtype != fp8 or b_q.dtype != fp8:
@@ -502,6 +549,8 @@ def check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config: MosaicGemmC
     if jnp.dtype(bias.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(out_dtype)):
       raise ValueError(f"bias must be float32 or the output dtype {jnp.dtype(out_dtype)}, got {bias.dtype}")
   config.validate()
+  if config.scales_per_column and n % config.tile_n:
+    raise ValueError(f"tile_n={config.tile_n} (a width that scales per column) must divide N={n}")
   if config.epi_n(out_dtype) * jnp.dtype(out_dtype).itemsize > 128:
     raise ValueError(f"epi_tile_n={config.epi_tile_n} gives epilogue rows over 128 bytes for {jnp.dtype(out_dtype)}")
   if (smem := config.smem_bytes(out_dtype)) > SMEM_BYTES:
@@ -517,23 +566,29 @@ def block_fp8_matmul(
     out_dtype=jnp.bfloat16,
     bias: jax.Array | None = None,
     config: MosaicGemmConfig | None = None,
+    out_rows: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
   """C = a_q @ b_q.T with (1, 128) activation and (128, 128) weight block scales; see the module docstring.
 
   a_q (M, K) e4m3fn; b_q (N, K) e4m3fn; a_s_col (K // 128, M') float32 column-major, M' >= M, M' % 4 == 0;
   b_s (N // 128, K // 128) float32; bias (N,) float32 or out_dtype. Returns (M, N) out_dtype.
+  out_rows: output only the first out_rows rows (M above is then out_rows): the rows of a_q past them are padding
+  (e.g. the quantizer's zero rows up to a whole 64-row tile), read as they are instead of as TMA zero fill.
   Raises ValueError for inputs or configs the kernel cannot do.
   """
-  m, k = a_q.shape
+  k = a_q.shape[1]
   n = b_q.shape[0]
   out_dtype = jnp.dtype(out_dtype)
   if config is None:
-    config = default_config(m, n, k, out_dtype)
-  check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config)
+    # By the rows read: padding rows cost what real ones do (unlike TMA's zero fill of rows past a_q).
+    config = default_config(a_q.shape[0], n, k, out_dtype)
+  check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config, out_rows)
+  m = a_q.shape[0]
   if m > 8 and m % 8:
     # The tiled TMA view of a_q needs M % 8 == 0 (module docstring): zero rows, never stored, make it so.
     a_q = jnp.pad(a_q, ((0, -m % 8), (0, 0)))
+  m = out_rows or m
   m_iters, n_iters = pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   interpret_params: Any = plgpu.InterpretGPUParams() if interpret else None

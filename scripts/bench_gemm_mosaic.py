@@ -1,7 +1,7 @@
 """GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (pallas_kernels/gemm_mosaic.py).
 
   python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick] [--shapes N,K;N,K] [--m 1,16,64]
-                                              [--only decode|medium|prefill] [--unscaled]
+                                              [--only decode|medium|prefill|cols] [--unscaled]
 
 (a) every candidate config against an f32 XLA computation of SPEC 2 at a few odd shapes (partial row tiles, bias);
 (b) CUPTI kernel times (jaxfp8.timing.median_kernel_us) at M in {1, 16, 64, 256, 1024, 4096} for (N, K) =
@@ -90,6 +90,26 @@ PREFILL = {
 CANDIDATES = {**DECODE, **MEDIUM, **PREFILL}
 
 
+def balanced_decode_widths(n: int, num_sms: int = 132, count: int = 3) -> list[int]:
+  """Tile widths (multiples of 8 dividing N, 32..256) whose tile counts fill the SMs' slots best (one or two CTAs
+  per SM), the widest first among equals: the per-column-scale decode candidates of `--only cols`."""
+  widths = [w for w in range(32, 257, 8) if n % w == 0 and n // w <= 2 * num_sms]
+  balance = lambda w: (n // w) / (math.ceil(n // w / num_sms) * num_sms)
+  return sorted(widths, key=lambda w: (-round(balance(w), 2), -w))[:count]
+
+
+def cols_candidates(n: int) -> dict[str, MosaicGemmConfig]:
+  """Decode schedules at the balanced widths of N (64-row tile, one consumer warpgroup, one CTA per tile)."""
+  out = {}
+  for w in balanced_decode_widths(n):
+    out[f"d64x{w}_k2_s4"] = C(tile_m=64, tile_n=w, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
+                              persistent=False)
+    if w <= 96:
+      out[f"d64x{w}_k2_s6"] = C(tile_m=64, tile_n=w, max_concurrent_steps=6, k_blocks_per_step=2,
+                                num_compute_wgs=1, persistent=False)
+  return out
+
+
 def _fit(config: MosaicGemmConfig, out_dtype=jnp.bfloat16) -> MosaicGemmConfig:
   return gm._fit_smem(config, out_dtype, 1 << 20)
 
@@ -144,10 +164,10 @@ class _UnscaledPlgpu:
     return plgpu.emit_pipeline_warp_specialized(body, compute_context=context, **kwargs)
 
 
-def _unscaled_step(acc_refs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, n_block0, cfg, num_k_blocks, num_n_blocks):
+def _unscaled_step(acc_refs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg, num_k_blocks, num_n_blocks):
   """The step of gm._scaled_mma_step with the promotion taken out: every K block accumulates in the wgmma
   accumulator; one wait per step, so that the pipeline may release the step's SMEM."""
-  del as_smem, bs_gmem, k_step, n_block0, num_k_blocks, num_n_blocks
+  del as_smem, bs_gmem, k_step, col0, num_k_blocks, num_n_blocks
   wg_m, wg_n = cfg.wg_tile
   subs_n = wg_n // cfg.sub_n
   for i in range(wg_m // gm.WGMMA_M):
@@ -211,8 +231,10 @@ def check_configs(results: dict, deadline: float) -> int:
   return failures
 
 
-def _configs_for(m: int, only: str | None = None) -> dict[str, MosaicGemmConfig]:
-  """The sweep candidates for row count m (`only` picks one group regardless of m)."""
+def _configs_for(m: int, n: int, only: str | None = None) -> dict[str, MosaicGemmConfig]:
+  """The sweep candidates for row count m and N (`only` picks one group regardless of m)."""
+  if only == "cols":
+    return cols_candidates(n)
   if only is not None:
     return {"decode": DECODE, "medium": MEDIUM, "prefill": PREFILL}[only]
   if m <= 64:
@@ -285,7 +307,7 @@ def time_configs(results: dict, deadline: float, quick: bool, shapes=TIMED_SHAPE
     return
   for m in ms:
     for n, k in shapes:
-      for name, config in _configs_for(m, only).items():
+      for name, config in _configs_for(m, n, only).items():
         measure(m, n, k, name, _fit(config))
 
 
@@ -313,8 +335,9 @@ def main() -> int:
   parser.add_argument("--skip_checks", action="store_true")
   parser.add_argument("--shapes", default=None, help="N,K pairs separated by ';' (default: 24576,7168;7168,2048)")
   parser.add_argument("--m", default=None, help="comma-separated M values (default: 1,16,64,256,1024,4096)")
-  parser.add_argument("--only", choices=("decode", "medium", "prefill"), default=None,
-                      help="sweep this candidate group at every M instead of the group for each M")
+  parser.add_argument("--only", choices=("decode", "medium", "prefill", "cols"), default=None,
+                      help="sweep this candidate group at every M instead of the group for each M (cols: the "
+                           "decode schedule at the balanced per-column-scale widths of each N)")
   parser.add_argument("--unscaled", action="store_true", help="add the no-promotion diagnostic rows (docstring)")
   args = parser.parse_args()
   shapes = TIMED_SHAPES if args.shapes is None else [

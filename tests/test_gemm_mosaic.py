@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -62,6 +63,29 @@ KINDS: dict[str, MosaicGemmConfig] = {
 }
 
 
+# Tile widths that neither divide 128 nor are multiples of it: sub-tiles straddle weight-scale blocks and scale per
+# column. Each with the N it is tested at (a multiple of the width whose tiles meet the block boundaries at several
+# offsets), the M and output dtype.
+COLUMN_KINDS: dict[str, tuple[MosaicGemmConfig, int, int, Any]] = {
+    # Decode widths: 80 (N=10240 in 128 tiles), two K blocks per step, bf16 out (16-column epilogue).
+    "ws1_64x80_k2": (MosaicGemmConfig(tile_m=64, tile_n=80, max_concurrent_steps=2, k_blocks_per_step=2,
+                                      num_compute_wgs=1, persistent=False), 640, 4, jnp.bfloat16),
+    # 56 (N=7168 in 128 tiles): 8-column epilogue stores, unswizzled 16-byte rows in bf16, 32-byte in f32.
+    "ws1_64x56_bf16": (MosaicGemmConfig(tile_m=64, tile_n=56, max_concurrent_steps=3, num_compute_wgs=1,
+                                        persistent=False), 896, 13, jnp.bfloat16),
+    "ws1_64x56_f32": (MosaicGemmConfig(tile_m=64, tile_n=56, max_concurrent_steps=3, num_compute_wgs=1,
+                                       persistent=False), 896, 7, jnp.float32),
+    # 192 (N=24576 in 128 tiles): two 96-column sub-tiles.
+    "ws1_64x192": (MosaicGemmConfig(tile_m=64, tile_n=192, max_concurrent_steps=2, k_blocks_per_step=2,
+                                    num_compute_wgs=1, persistent=False), 768, 64, jnp.bfloat16),
+    # Two consumer warpgroups, split in N (96 columns each) and in M, on a persistent grid looping over tiles.
+    "ws2_n_128x192": (MosaicGemmConfig(tile_m=128, tile_n=192, max_concurrent_steps=2, wg_split=Dim.N, grid_size=2),
+                      768, 132, jnp.float32),
+    "ws2_m_128x80": (MosaicGemmConfig(tile_m=128, tile_n=80, max_concurrent_steps=2, grid_size=3), 640, 200,
+                     jnp.float32),
+}
+
+
 def _quantized_problem(rng, m: int, n: int, k: int, *, extra_scale_cols: int = 0, scale_pad_value=1.0,
                        decades: float = 2.0):
   """Random activations and weights quantized as SPEC 1 and 4; group magnitudes vary over +-`decades` decades so
@@ -103,6 +127,31 @@ def _check(out, a_q, b_q, a_s, b_s, out_dtype, bias=None):
 def test_matches_reference(rng, kind, m, n, k):
   a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k)
   _check(_run(a_q, b_q, a_s, b_s, config=KINDS[kind]), a_q, b_q, a_s, b_s, jnp.float32)
+
+
+@pytest.mark.parametrize("kind", list(COLUMN_KINDS))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_per_column_weight_scales(rng, kind, with_bias):
+  config, n, m, out_dtype = COLUMN_KINDS[kind]
+  k = 384
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k)
+  bias = (rng.standard_normal(n) * 10).astype(np.float32) if with_bias else None
+  out = _run(a_q, b_q, a_s, b_s, config=config, out_dtype=out_dtype, bias=bias)
+  _check(out, a_q, b_q, a_s, b_s, out_dtype, bias=bias)
+
+
+@pytest.mark.parametrize("kind", ["ws1_64x80_k2", "ws1_64x192"])
+def test_per_column_exact_small_integers(rng, kind):
+  # Each column must take exactly its own block's scale: with power-of-two scales the result is bit-exact.
+  config, n, m, _ = COLUMN_KINDS[kind]
+  k = 256
+  a_q = rng.integers(-4, 5, (m, k)).astype(np.float32).astype(ref.FP8)
+  b_q = rng.integers(-4, 5, (n, k)).astype(np.float32).astype(ref.FP8)
+  a_s = (2.0 ** rng.integers(-2, 3, (k // 128, -(-m // 4) * 4))).astype(np.float32)
+  b_s = (2.0 ** rng.integers(-6, 7, (n // 128, k // 128))).astype(np.float32)
+  out = _run(a_q, b_q, a_s, b_s, config=config)
+  expect = ref.cast_output(ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True), jnp.float32)
+  np.testing.assert_array_equal(out, expect)
 
 
 @pytest.mark.parametrize("kind", ["simple_64x128_k2", "ws2_m_128x128", "ws2_n_128x256", "ws1_64x64"])
@@ -228,7 +277,10 @@ def test_rejects_bad_options():
     gm.block_fp8_matmul(*args, bias=jnp.zeros((255,), jnp.float32), interpret=True)
   with pytest.raises(ValueError, match="bias"):
     gm.block_fp8_matmul(*args, bias=jnp.zeros((256,), jnp.float16), interpret=True)  # out is bf16
-  for bad in (MosaicGemmConfig(tile_n=96), MosaicGemmConfig(tile_m=96), MosaicGemmConfig(k_blocks_per_step=3),
+  with pytest.raises(ValueError, match="tile_n=96.*must divide N=256"):
+    gm.block_fp8_matmul(*args, config=MosaicGemmConfig(tile_n=96), interpret=True)
+  for bad in (MosaicGemmConfig(tile_n=100), MosaicGemmConfig(tile_n=264), MosaicGemmConfig(tile_n=200),
+              MosaicGemmConfig(tile_m=96), MosaicGemmConfig(k_blocks_per_step=3),
               MosaicGemmConfig(tile_m=64, wg_split=Dim.M), MosaicGemmConfig(num_compute_wgs=3),
               MosaicGemmConfig(epi_tile_n=48), MosaicGemmConfig(epi_tile_n=128), MosaicGemmConfig(max_concurrent_steps=12),
               MosaicGemmConfig(grid_size=0), MosaicGemmConfig(cluster_dim=Dim.M, persistent=False)):
@@ -303,6 +355,15 @@ def test_config_kinds_lower_for_cuda(kind):
   config = KINDS.get(kind) or DEEP_KINDS[kind]
   for m, n, k in LOWERING_SHAPES:
     _lower(m, n, k, config)
+
+
+# The per-column widths at the decode shapes they balance (N / width = 128 tiles), in both output dtypes.
+@pytest.mark.parametrize("kind,m,n,k", [("ws1_64x80_k2", 64, 10240, 5120), ("ws1_64x56_bf16", 16, 7168, 18432),
+                                        ("ws1_64x192", 64, 24576, 7168), ("ws2_n_128x192", 300, 24576, 7168)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_column_kinds_lower_for_cuda(kind, m, n, k, out_dtype):
+  config = gm._fit_smem(dataclasses.replace(COLUMN_KINDS[kind][0], max_concurrent_steps=4), out_dtype, 1 << 20)
+  _lower(m, n, k, config, out_dtype, with_bias=True)
 
 
 def test_default_config_follows_the_measurements():
@@ -407,6 +468,18 @@ def test_gpu_config_kinds(kind):
   # Partial row tiles, N not a multiple of 256, K not a multiple of 256; then a decode-like shape in f32.
   _check_on_gpu(4096 - 36, 7168 + 128, 2048 + 128, config, jnp.bfloat16, seed=seed)
   _check_on_gpu(36, 1536, 7168, gm._fit_smem(config, jnp.float32, 1 << 20), jnp.float32, seed=seed + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind,n,k", [("ws1_64x80_k2", 10240, 5120), ("ws1_64x56_bf16", 7168, 18432),
+                                      ("ws1_64x56_f32", 7168, 2048), ("ws1_64x192", 24576, 7168),
+                                      ("ws2_n_128x192", 24576, 7168), ("ws2_m_128x80", 10240, 5120)])
+@pytest.mark.parametrize("m", [1, 16, 64, 1000])
+def test_gpu_column_kinds(kind, n, k, m):
+  config, _, _, out_dtype = COLUMN_KINDS[kind]
+  config = gm._fit_smem(dataclasses.replace(config, max_concurrent_steps=4, grid_size=None), out_dtype, 1 << 20)
+  _check_on_gpu(m, n, k, config, out_dtype, seed=zlib.crc32(kind.encode()) % 1000 + m)
 
 
 @pytest.mark.gpu
