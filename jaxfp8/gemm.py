@@ -103,9 +103,11 @@ def _check_out_dtype(out_dtype) -> jnp.dtype:
   return _checks.float_dtype("out_dtype", out_dtype)
 
 
-# Decode on Hopper: up to this many live rows the tuned Triton kernel beats the Mosaic small-M kernel (H200, CUPTI,
-# 2026-11-29: DeepSeek-V3 q_proj M=1/16 44/47 us vs 82/72 us, dense_down M=16 39 vs 53 us; Mosaic wins from M=64).
-TRITON_DECODE_MAX_M = 16
+# Decode on Hopper: up to this many live rows the tuned Triton kernel beats the Mosaic small-M kernel. H200, CUPTI,
+# session 5, Mosaic reading the quantizer's 64-row decode buffers (out_rows): M=1 Triton/Mosaic 43.7/45.3 us
+# (DeepSeek-V3 q_proj), 34.0/35.3 (dense_down), 15.7/15.8 (Qwen3 qkv); M=4 44.4/45.7, 34.9/35.4, 16.0/16.0; from M=8
+# Mosaic is ahead on all three (M=16: 46.5 vs 47.6, 35.7 vs 39.0, 16.0 vs 17.2).
+TRITON_DECODE_MAX_M = 4
 
 
 def resolve_implementation(
@@ -166,6 +168,7 @@ def w8a8_block_fp8_matmul(
     bias: jax.Array | None = None,
     implementation: str | None = None,
     config=None,
+    out_rows: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
   """C = (a_q * a_s) @ (b_q * b_s)^T with block scales, accumulated in float32 (SPEC.md section 2).
@@ -183,10 +186,14 @@ def w8a8_block_fp8_matmul(
     implementation: "mosaic", "triton", "xla", or None for the best one here (see `resolve_implementation`).
     config: a TritonGemmConfig for "triton" (None: the tuned table or the heuristic), the Mosaic kernel's config
       for "mosaic"; must be None for "xla".
+    out_rows: compute and return only the first out_rows rows; the later rows of a_q (and a_s) are padding, e.g.
+      the zero rows of the quantizer's `row_alignment`, so that padded buffers go in without a slice. The Mosaic
+      kernel reads them in whole 64-row tiles, which at M < 64 is faster than having TMA fill the missing rows
+      (quantize with row_alignment=64 for that; `jaxfp8.linear` does).
     interpret: run Pallas kernels in interpret mode; None means True when there is no GPU.
 
   Returns:
-    (M, N) array of out_dtype.
+    (M, N) array of out_dtype, or (out_rows, N).
 
   All arguments but the arrays are static: inside `jax.jit`, bind them with functools.partial or static_argnames.
   """
@@ -223,15 +230,21 @@ def w8a8_block_fp8_matmul(
     _check_array("bias", bias, OUT_DTYPES, ndim=None)
     if tuple(bias.shape) != (n,):
       raise ValueError(f"bias must have shape (N,) = ({n},), got {tuple(bias.shape)}")
+  if out_rows is not None and (isinstance(out_rows, bool) or not isinstance(out_rows, numbers.Integral)
+                               or not 0 < out_rows <= m):
+    raise ValueError(f"out_rows must be an int in [1, M={m}] (the rows of a_q to compute), got {out_rows!r}")
+  out_rows = None if out_rows is None or out_rows == m else int(out_rows)
 
   interpret = _resolve_interpret(interpret)
   implementation = resolve_implementation(
-      implementation, config=config, interpret=interpret, m=m, n=n, k=k, block_size=block_size)
+      implementation, config=config, interpret=interpret, m=m, n=n, k=k, block_size=block_size,
+      live_rows=out_rows or m)
   if implementation == "xla" and config is not None:
     raise ValueError(f"config applies to the 'triton' and 'mosaic' implementations, not 'xla'; got config={config!r}")
   if implementation == "triton":
     if config is None:
-      config = gemm_configs.get_config(m, n, k, block_size, device_kind=_device_kind(), num_sms=_platform.num_sms())
+      config = gemm_configs.get_config(out_rows or m, n, k, block_size, device_kind=_device_kind(),
+                                       num_sms=_platform.num_sms())
       if config is None:
         raise ValueError(
             f"no Triton config can serve block_size={block_size}: gk={gk} is not a multiple of "
@@ -246,13 +259,20 @@ def w8a8_block_fp8_matmul(
 
   return _matmul(
       a_q, b_q, a_s, b_s, bias, block_size=block_size, a_s_column_major=a_s_column_major, out_dtype=out_dtype,
-      implementation=implementation, config=config, interpret=interpret)
+      implementation=implementation, config=config, interpret=interpret, out_rows=out_rows)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "block_size", "a_s_column_major", "out_dtype", "implementation", "config", "interpret"))
-def _matmul(a_q, b_q, a_s, b_s, bias, *, block_size, a_s_column_major, out_dtype, implementation, config, interpret):
-  m, k = a_q.shape
+    "block_size", "a_s_column_major", "out_dtype", "implementation", "config", "interpret", "out_rows"))
+def _matmul(a_q, b_q, a_s, b_s, bias, *, block_size, a_s_column_major, out_dtype, implementation, config, interpret,
+            out_rows):
+  if out_rows is not None and implementation == "xla":
+    # XLA slices the operands (the Pallas kernels below just leave the padding rows unread).
+    a_q = a_q[:out_rows]
+    a_s = a_s[:out_rows] if not a_s_column_major else a_s
+    out_rows = None
+  k = a_q.shape[1]
+  m = out_rows or a_q.shape[0]
   n = b_q.shape[0]
   if bias is not None:
     bias = bias.astype(jnp.float32)
@@ -270,18 +290,19 @@ def _matmul(a_q, b_q, a_s, b_s, bias, *, block_size, a_s_column_major, out_dtype
   if implementation == "triton":
     return gemm_triton.block_fp8_matmul(
         a_q, b_q, a_s, b_s, bias, block_size=block_size, a_s_column_major=a_s_column_major, out_dtype=out_dtype,
-        config=config, interpret=interpret)
+        config=config, interpret=interpret, out_rows=out_rows)
 
   # ---- implementation == "mosaic": the Hopper kernel of pallas_kernels/gemm_mosaic.py --------------------------------
-  # It reads the column-major (K/128, M') scales with TMA, so M' must be a multiple of 4 (M % 4 == 0 was checked).
+  # It reads the column-major (K/128, M') scales with TMA, so M' must be a multiple of 4 (a_q's row count % 4 == 0
+  # was checked).
   if a_s_column_major:
-    a_s_col = a_s if a_s.shape[1] % 4 == 0 else a_s[:, :m]
+    a_s_col = a_s if a_s.shape[1] % 4 == 0 else a_s[:, :a_q.shape[0]]
   else:
     a_s_col = a_s.T
   mosaic = importlib.import_module(_MOSAIC_MODULE)
   interpret_kwargs = {"interpret": True} if interpret else {}
   return mosaic.block_fp8_matmul(
-      a_q, b_q, a_s_col, b_s, out_dtype=out_dtype, bias=bias, config=config, **interpret_kwargs)
+      a_q, b_q, a_s_col, b_s, out_dtype=out_dtype, bias=bias, config=config, out_rows=out_rows, **interpret_kwargs)
 
 
 __all__ = ["IMPLEMENTATIONS", "OUT_DTYPES", "TritonGemmConfig", "w8a8_block_fp8_matmul", "resolve_implementation",

@@ -257,14 +257,17 @@ def _kernel(
 def block_fp8_matmul(
     a_q: jax.Array, b_q: jax.Array, a_s: jax.Array, b_s: jax.Array, bias: jax.Array | None, *,
     block_size: tuple[int, int], a_s_column_major: bool, out_dtype, config: TritonGemmConfig, interpret: bool,
+    out_rows: int | None = None,
 ) -> jax.Array:
   """Launches the kernel on validated arrays; returns C (M, N) in out_dtype.
 
   a_q (M, K) e4m3fn; b_q (N, K) e4m3fn; a_s (M, G) float32, or (G, M') with M' >= M when a_s_column_major;
   b_s (ceil(N/gn), G) float32 with G = ceil(K/gk); bias None or (N,) float32; `check_config(config, block_size)`
-  must pass. With config.split_k > 1 the kernel writes f32 partial sums that are reduced here by XLA.
+  must pass. out_rows: compute only the first out_rows rows (M is then out_rows; the later rows of a_q and a_s are
+  never read). With config.split_k > 1 the kernel writes f32 partial sums that are reduced here by XLA.
   """
-  m, k = a_q.shape
+  k = a_q.shape[1]
+  m = out_rows or a_q.shape[0]
   n = b_q.shape[0]
   gn, gk = block_size
   k_tiles = pl.cdiv(k, config.block_k)

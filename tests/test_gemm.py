@@ -199,6 +199,46 @@ def test_mosaic_dispatch_passes_the_column_major_scales(rng, column_major):
   assert_close(out, problem, F32)
 
 
+def _padded_with_poison(problem: Problem, rows: int) -> tuple[np.ndarray, np.ndarray]:
+  """a_q and the call's a_s with padding rows appended up to `rows`: NaN codes and NaN scales, which may reach only
+  the rows past out_rows (the Mosaic kernel computes them in its tile; nothing may store them)."""
+  m, k = problem.a_q.shape
+  a_q = np.concatenate([problem.a_q, np.full((rows - m, k), np.nan, np.float32).astype(ref.FP8)])
+  if problem.column_major:
+    pad = np.full((problem.a_s_arg.shape[0], rows - problem.a_s_arg.shape[1]), np.nan, np.float32)
+    return a_q, np.concatenate([problem.a_s_arg, pad], axis=1)
+  return a_q, np.concatenate([problem.a_s_arg, np.full((rows - m, problem.a_s_arg.shape[1]), np.nan, np.float32)])
+
+
+@pytest.mark.parametrize("implementation, m, rows, column_major, config", [
+    ("xla", 5, 16, False, None),
+    ("xla", 3, 64, True, None),
+    ("triton", 5, 64, True, _cfg(16, 64, 128)),
+    ("triton", 13, 24, False, _cfg(16, 64, 128, split_k=2, swap_ab=True)),
+    ("mosaic", 1, 64, True, None),     # the decode tile the quantizer pads to (M=1: no M % 4 needed of out_rows)
+    ("mosaic", 13, 64, True, None),
+    ("mosaic", 60, 136, False, None),  # padding rows in a second row tile
+])
+def test_out_rows_computes_the_live_rows_of_padded_buffers(rng, implementation, m, rows, column_major, config):
+  n, k = (256, 384) if implementation == "mosaic" else (200, 300)
+  if implementation == "mosaic" and gemm._mosaic_module() is None:
+    pytest.skip("pallas_kernels.gemm_mosaic not importable")
+  problem = make_problem(rng, m, n, k, (128, 128), column_major=column_major, bias=True)
+  a_q, a_s = _padded_with_poison(problem, rows)
+  out = w8a8_block_fp8_matmul(a_q, problem.b_q, a_s, problem.b_s, (128, 128), a_s_column_major=column_major,
+                              bias=problem.bias, out_dtype=F32, implementation=implementation, config=config,
+                              out_rows=m, interpret=True)
+  assert_close(out, problem, F32)
+
+
+@pytest.mark.parametrize("out_rows", [0, 6, -1, True, 2.0])
+def test_out_rows_is_validated(out_rows):
+  args = _valid_args()
+  with pytest.raises(ValueError, match=rf"out_rows must be an int in \[1, M=5\].*got {out_rows!r}"):
+    w8a8_block_fp8_matmul(args.pop("a_q"), args.pop("b_q"), args.pop("a_s"), args.pop("b_s"), args.pop("block_size"),
+                          out_rows=out_rows, implementation="xla")
+
+
 def test_usable_inside_jit(rng):
   problem = make_problem(rng, 5, 200, 300, (128, 128), column_major=True, bias=True)
   f = jax.jit(functools.partial(w8a8_block_fp8_matmul, block_size=(128, 128), a_s_column_major=True,
@@ -218,8 +258,9 @@ def test_default_implementation_on_cpu_is_xla():
 
 
 @pytest.mark.parametrize("capability, m, n, k, block_size, expected", [
-    ((9, 0), 8, 256, 256, (128, 128), "triton"),     # decode (M <= TRITON_DECODE_MAX_M): the tuned Triton kernel
-    ((9, 0), 16, 256, 256, (128, 128), "triton"),
+    ((9, 0), 4, 256, 256, (128, 128), "triton"),     # decode (M <= TRITON_DECODE_MAX_M): the tuned Triton kernel
+    ((9, 0), 8, 256, 256, (128, 128), "mosaic"),
+    ((9, 0), 16, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 20, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 4096, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 23, 256, 256, (128, 128), "triton"),    # M % 4 != 0
@@ -494,6 +535,23 @@ def test_gpu_full_size_matches_reference(model, name, implementation):
     assert not np.isnan(out.astype(np.float32)).any()
     err = ref.relative_error(out, expected[:m])
     assert err <= TOLERANCE[jnp.dtype(out_dtype)], (model, name, m, out_dtype, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, name", GPU_SHAPES)
+@pytest.mark.parametrize("implementation", ["triton", None])
+def test_gpu_out_rows_of_padded_decode_buffers(model, name, implementation):
+  # The quantizer's decode buffers (64 rows, the padding poisoned here) with out_rows = M, as jaxfp8.linear calls it.
+  problem, expected = _gpu_problem(model, name)
+  for m in (1, 4, 16, 40):
+    live = _rows(problem, m, True)
+    a_q, a_s = _padded_with_poison(live, 64)
+    out = np.asarray(w8a8_block_fp8_matmul(a_q, live.b_q, a_s, live.b_s, (128, 128), a_s_column_major=True,
+                                           bias=live.bias, out_dtype=BF16, implementation=implementation, out_rows=m))
+    assert out.shape == (m, live.b_q.shape[0])
+    assert not np.isnan(out.astype(np.float32)).any()
+    err = ref.relative_error(out, expected[:m])
+    assert err <= TOLERANCE[jnp.dtype(BF16)], (model, name, m, err)
 
 
 @pytest.mark.gpu
