@@ -2,6 +2,8 @@
 
 Contenders (names for `implementations`):
   "triton", "mosaic", "xla": `w8a8_block_fp8_matmul` with that implementation (the config table or heuristic).
+                   Below 64 rows "mosaic" reads the quantizer's 64-row decode buffers with out_rows=M, the way
+                   `jaxfp8.linear` calls it (the row's note says so).
   "dequant_bf16":  BASELINE, XLA dequantize-to-bf16 then dot: what JAX users do today.
   "fp8_per_tensor": BASELINE, XLA fp8 `dot_general` with per-tensor scales (cuBLASLt FP8): the library ceiling without
                    block scales. It computes a coarser quantization, so its output is not checked.
@@ -35,6 +37,7 @@ from jaxfp8 import reference as ref
 CONTENDERS = ("triton", "mosaic", "xla", "dequant_bf16", "fp8_per_tensor", "torch_scaled_mm")
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (PALLAS_NOTES.md)
 L2_BYTES = 60 << 20
+MOSAIC_DECODE_ROWS = 64  # the Mosaic GEMM's decode row tile, which jaxfp8.linear pads the quantized rows to
 # (name, N, K): DeepSeek-V3 and Qwen3-32B weights from shapes.json.
 DEFAULT_SHAPES: tuple[tuple[str, int, int], ...] = (
     ("dsv3.q_proj_no_lora", 24576, 7168),
@@ -93,6 +96,15 @@ def make_activation(key, m: int, k: int, gk: int):
   return a_q, a_s_col
 
 
+def decode_tile_buffers(a_q, a_s_col, rows: int = MOSAIC_DECODE_ROWS):
+  """The quantizer's buffers padded to `rows` rows (row_alignment=64): zero codes and scale 1.0 past M, which is
+  what the Mosaic contender reads below 64 rows (with out_rows=M), as `jaxfp8.linear` hands them to it."""
+  m = a_q.shape[0]
+  a_q = jnp.concatenate([a_q, jnp.zeros((rows - m, a_q.shape[1]), a_q.dtype)])
+  pad = jnp.ones((a_s_col.shape[0], rows - a_s_col.shape[1]), jnp.float32)
+  return a_q, jnp.concatenate([a_s_col, pad], axis=1)
+
+
 def rotation_sets(weight_bytes: int, activation_bytes: int) -> int:
   """How many input copies to cycle through so that a call never finds its inputs in L2."""
   return max(1, min(64, math.ceil(3 * L2_BYTES / max(1, weight_bytes + activation_bytes))))
@@ -113,10 +125,10 @@ def sample_reference(a_q, b_q, a_s_col, b_s, block_size, rows: np.ndarray, col_b
 
 # ---- contenders --------------------------------------------------------------------------------------------------
 
-def _jax_contender(name: str, block_size: tuple[int, int]) -> Callable:
+def _jax_contender(name: str, block_size: tuple[int, int], out_rows: int | None = None) -> Callable:
   if name in ("triton", "mosaic", "xla"):
     f = functools.partial(gemm.w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True,
-                          out_dtype=jnp.bfloat16, implementation=name, interpret=False)
+                          out_dtype=jnp.bfloat16, implementation=name, interpret=False, out_rows=out_rows)
     return jax.jit(lambda a_q, b_q, a_s, b_s: f(a_q, b_q, a_s, b_s))
   if name == "dequant_bf16":
     return jax.jit(lambda a_q, b_q, a_s, b_s: gemm_xla.dequant_bf16_matmul_baseline(
@@ -233,12 +245,19 @@ def run(
             continue
           _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer)
           continue
-        fn = jax_fns[name]
+        fn, args, note = jax_fns[name], arg_sets, None
+        if name == "mosaic" and m < MOSAIC_DECODE_ROWS:
+          fn = _jax_contender(name, block_size, out_rows=m)
+          args = [(*decode_tile_buffers(a_q, a_s), b_q, b_s) for a_q, b_q, a_s, b_s in arg_sets]
+          args = [(a_q, b_q, a_s, b_s) for a_q, a_s, b_q, b_s in args]
+          note = f"the quantizer's {MOSAIC_DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
         try:
-          out = np.asarray(jax.block_until_ready(fn(*arg_sets[0]))).astype(np.float32)
+          out = np.asarray(jax.block_until_ready(fn(*args[0]))).astype(np.float32)
           err = None if name == "fp8_per_tensor" else ref.relative_error(out[np.ix_(sample_rows, cols)], expected)
-          us = timer(fn, arg_sets, iterations=iterations)
-          record(name, us=us, err=err, note="speed reference only (per-tensor scales)" if err is None else None)
+          us = timer(fn, args, iterations=iterations)
+          if err is None:
+            note = "speed reference only (per-tensor scales)"
+          record(name, us=us, err=err, note=note)
         except Exception as e:  # a failing contender is reported, not fatal for the others
           record(name, error=f"{type(e).__name__}: {str(e)[:300]}")
       del arg_sets, acts

@@ -184,11 +184,16 @@ def _weight_shape(n, k):
 
 
 @pytest.mark.parametrize("capability, m, n, k, block_size, impl, alignment, reason", [
-    ((9, 0), 1, 256, 256, (128, 128), "triton", 1, "decode M=1 <= 16"),
-    ((9, 0), 16, 256, 256, (128, 128), "triton", 1, "decode M=16 <= 16"),
-    ((9, 0), 17, 256, 256, (128, 128), "mosaic", 8, "Hopper"),   # 17 -> 24 (20 is not a TMA-tileable row count)
-    ((9, 0), 29, 256, 256, (128, 128), "mosaic", 4, "Hopper"),   # 29 -> 32
+    ((9, 0), 1, 256, 256, (128, 128), "triton", 1, "decode M=1 <= 4"),
+    ((9, 0), 4, 256, 256, (128, 128), "triton", 1, "decode M=4 <= 4"),
+    ((9, 0), 5, 256, 256, (128, 128), "mosaic", 64, "Hopper"),
+    ((9, 0), 16, 256, 256, (128, 128), "mosaic", 64, "Hopper"),
+    ((9, 0), 17, 256, 256, (128, 128), "mosaic", 64, "Hopper"),  # below 64 rows: one whole decode tile
+    ((9, 0), 29, 256, 256, (128, 128), "mosaic", 64, "Hopper"),
     ((9, 0), 64, 256, 256, (128, 128), "mosaic", 1, "Hopper"),
+    ((9, 0), 65, 256, 256, (128, 128), "mosaic", 8, "Hopper"),   # 65 -> 72 (68 is not a TMA-tileable row count)
+    ((9, 0), 100, 256, 256, (128, 128), "mosaic", 8, "Hopper"),  # 100 -> 104
+    ((9, 0), 132, 256, 256, (128, 128), "mosaic", 8, "Hopper"),  # 132 -> 136
     ((9, 0), 20, 200, 256, (128, 128), "triton", 1, "cannot take this problem"),
     ((9, 0), 20, 256, 256, (64, 64), "triton", 1, "block_size=(128, 128) only"),
     ((8, 9), 5, 256, 256, (128, 128), "triton", 1, "sm_89"),
@@ -209,9 +214,11 @@ def test_default_dispatch(monkeypatch, capability, m, n, k, block_size, impl, al
   assert plan.padded_rows % 1 == 0 and plan.padded_rows >= m and str(plan).startswith(impl)
 
 
-@pytest.mark.parametrize("m, alignment", [(1, 4), (4, 1), (8, 1), (13, 4), (9, 8), (17, 8), (64, 1)])
-def test_mosaic_row_alignment_is_the_least_padding_the_kernel_reads_as_is(m, alignment):
-  # 1 -> 4 rows (one TMA box below 8 rows), 13 -> 16, 9 -> 16 (12 is not TMA-tileable), 17 -> 24.
+@pytest.mark.parametrize("m, alignment", [(1, 64), (4, 64), (13, 64), (63, 64), (64, 1), (65, 8), (68, 8),
+                                          (100, 8), (132, 8), (4095, 4), (4096, 1)])
+def test_mosaic_row_alignment(m, alignment):
+  # Below 64 rows: one whole decode tile. From 64 on, the least padding the kernel reads as is: 65 -> 72 and 68 -> 72
+  # (65 and 68 rows are not TMA-tileable), 132 -> 136, 4095 -> 4096.
   assert linear._mosaic_row_alignment(m, 256, 256, (128, 128)) == alignment
 
 
@@ -325,11 +332,12 @@ def test_lowered_mosaic_program_is_two_kernels_back_to_back(m, n, k):
   assert plan.implementation == "mosaic"
   assert not activation_copies(text), activation_copies(text)
   ops = re.findall(r"stablehlo\.([a-z_]+)", text)
-  # The quantizer's kernel and the GEMM's, and nothing between them but free reshapes; a slice of the output rows
-  # exactly when the quantizer padded them.
+  # The quantizer's kernel and the GEMM's, and nothing between them but free reshapes; no slice of the output even
+  # where the quantizer padded the rows (the GEMM computes the live rows only).
   assert ops.count("custom_call") == 2 and text.count("mosaic_gpu") >= 2, ops
   assert set(ops) <= _MOSAIC_AROUND, set(ops) - _MOSAIC_AROUND
-  assert ("slice" in ops) == (plan.padded_rows != m), (plan, ops)
+  assert "slice" not in ops, (plan, ops)
+  assert m >= 64 or plan.padded_rows == 64, plan
 
 
 @pytest.mark.skipif(gemm._mosaic_module() is None, reason="pallas_kernels.gemm_mosaic not importable")
