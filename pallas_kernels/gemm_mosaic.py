@@ -468,7 +468,9 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
     # activations from L2 half as often) when there are at least half as many of them as SMs, else 64-wide tiles for
     # twice the CTAs. Except at M <= 16, where 128-wide tiles won at every N measured (session 4, N=7168 K=18432
     # M=16: 45.2 us vs 52.8 for 64-wide; N=7168 K=2048 M=1, session 3), though at M=64 they lost on that shape
-    # (38.9 vs 36.0 us).
+    # (38.9 vs 36.0 us). Those small-M runs had TMA fill the rows past M, which costs more than reading real rows
+    # (128-wide tiles load the A tile half as often); jaxfp8.linear hands over 64-row buffers instead, and
+    # block_fp8_matmul chooses by the rows it reads, so they get the M=64 choice.
     tile_n = 128 if m <= 16 or n // 128 >= num_sms // 2 else 64
     config = MosaicGemmConfig(
         tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
