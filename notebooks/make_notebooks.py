@@ -63,8 +63,8 @@ print(f"vs the float64 reference: relative error {reference.relative_error(np.as
     new_markdown_cell("""## 3. Which path runs, and why
 
 `jaxfp8.linear.explain` returns the plan a call takes: the GEMM and quantizer implementations, the row padding, the
-scale layout and the reason. On CPU that is the XLA path; on an H200 the Mosaic GPU kernels (Triton for shapes they
-cannot take). Shapes can be given as `jax.ShapeDtypeStruct`, so the plan of a large prefill batch costs nothing."""),
+scale layout and the reason. On CPU that is the XLA path; on an H200 the Mosaic GPU kernels (Triton at M <= 4, where
+it measured faster, and for shapes they cannot take). Shapes can be given as `jax.ShapeDtypeStruct`, so the plan of a large prefill batch costs nothing."""),
     new_code_cell("""for rows in (1, M, 4096):
   x_shape = jax.ShapeDtypeStruct((rows, K), jnp.bfloat16)
   print(f"M={rows:>5}:", jaxfp8.linear.explain(x_shape, w_q, block_size))"""),

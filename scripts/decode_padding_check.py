@@ -57,7 +57,8 @@ def main(out_path: str) -> None:
                              same_as_plain=same))
         print(f"N={n:5d} K={k:5d} M={m:2d} {name:20s} {us:7.1f} us floor x{us / floor:.2f} same={same}", flush=True)
   with open(out_path, "w") as f:
-    json.dump(rows_out, f, indent=1)
+    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, script="scripts/decode_padding_check.py",
+                   timings=rows_out), f, indent=1)
 
 
 if __name__ == "__main__":
