@@ -90,23 +90,34 @@ PREFILL = {
 CANDIDATES = {**DECODE, **MEDIUM, **PREFILL}
 
 
-def balanced_decode_widths(n: int, num_sms: int = 132, count: int = 3) -> list[int]:
-  """Tile widths (multiples of 8 dividing N, 32..256) whose tile counts fill the SMs' slots best (one or two CTAs
-  per SM), the widest first among equals: the per-column-scale decode candidates of `--only cols`."""
-  widths = [w for w in range(32, 257, 8) if n % w == 0 and n // w <= 2 * num_sms]
-  balance = lambda w: (n // w) / (math.ceil(n // w / num_sms) * num_sms)
+def balanced_widths(n: int, row_tiles: int = 1, num_sms: int = 132, count: int = 3, min_width: int = 32,
+                    max_waves: int = 2) -> list[int]:
+  """Tile widths (multiples of 8 dividing N, min_width..256) whose tile counts (row_tiles x N / width) fill the
+  persistent grid's or the SMs' slots best, up to max_waves waves, the widest first among equals: the
+  per-column-scale candidates of `--only cols`."""
+  tiles = lambda w: row_tiles * (n // w)
+  widths = [w for w in range(min_width, 257, 8) if n % w == 0 and tiles(w) <= max_waves * num_sms]
+  balance = lambda w: tiles(w) / (math.ceil(tiles(w) / num_sms) * num_sms)
   return sorted(widths, key=lambda w: (-round(balance(w), 2), -w))[:count]
 
 
-def cols_candidates(n: int) -> dict[str, MosaicGemmConfig]:
-  """Decode schedules at the balanced widths of N (64-row tile, one consumer warpgroup, one CTA per tile)."""
+def cols_candidates(m: int, n: int) -> dict[str, MosaicGemmConfig]:
+  """Configs at the balanced widths of N. Decode (m <= 64): 64-row tile, one consumer warpgroup, one CTA per tile.
+  Larger m: 128-row tiles split in M between two consumer warpgroups (64 x width each) on the persistent grid, one K
+  block per step and, where the stages fit, two."""
   out = {}
-  for w in balanced_decode_widths(n):
-    out[f"d64x{w}_k2_s4"] = C(tile_m=64, tile_n=w, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
-                              persistent=False)
-    if w <= 96:
-      out[f"d64x{w}_k2_s6"] = C(tile_m=64, tile_n=w, max_concurrent_steps=6, k_blocks_per_step=2,
-                                num_compute_wgs=1, persistent=False)
+  if m <= gm.WGMMA_M:
+    for w in balanced_widths(n):
+      out[f"d64x{w}_k2_s4"] = C(tile_m=64, tile_n=w, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
+                                persistent=False)
+      if w <= 96:
+        out[f"d64x{w}_k2_s6"] = C(tile_m=64, tile_n=w, max_concurrent_steps=6, k_blocks_per_step=2,
+                                  num_compute_wgs=1, persistent=False)
+    return out
+  for w in balanced_widths(n, row_tiles=math.ceil(m / 128), min_width=64, max_waves=4):
+    out[f"p128x{w}_m_s5"] = C(tile_m=128, tile_n=w, max_concurrent_steps=5)
+    if w <= 160:  # two fresh accumulators of a sub-tile beside the running ones stay within the registers
+      out[f"p128x{w}_m_k2_s3"] = C(tile_m=128, tile_n=w, max_concurrent_steps=3, k_blocks_per_step=2)
   return out
 
 
@@ -234,7 +245,7 @@ def check_configs(results: dict, deadline: float) -> int:
 def _configs_for(m: int, n: int, only: str | None = None) -> dict[str, MosaicGemmConfig]:
   """The sweep candidates for row count m and N (`only` picks one group regardless of m)."""
   if only == "cols":
-    return cols_candidates(n)
+    return cols_candidates(m, n)
   if only is not None:
     return {"decode": DECODE, "medium": MEDIUM, "prefill": PREFILL}[only]
   if m <= 64:
@@ -337,7 +348,7 @@ def main() -> int:
   parser.add_argument("--m", default=None, help="comma-separated M values (default: 1,16,64,256,1024,4096)")
   parser.add_argument("--only", choices=("decode", "medium", "prefill", "cols"), default=None,
                       help="sweep this candidate group at every M instead of the group for each M (cols: the "
-                           "decode schedule at the balanced per-column-scale widths of each N)")
+                           "balanced per-column-scale widths of each N, decode or 128-row tiles by M)")
   parser.add_argument("--unscaled", action="store_true", help="add the no-promotion diagnostic rows (docstring)")
   args = parser.parse_args()
   shapes = TIMED_SHAPES if args.shapes is None else [

@@ -357,12 +357,22 @@ def test_config_kinds_lower_for_cuda(kind):
     _lower(m, n, k, config)
 
 
-# The per-column widths at the decode shapes they balance (N / width = 128 tiles), in both output dtypes.
-@pytest.mark.parametrize("kind,m,n,k", [("ws1_64x80_k2", 64, 10240, 5120), ("ws1_64x56_bf16", 16, 7168, 18432),
-                                        ("ws1_64x192", 64, 24576, 7168), ("ws2_n_128x192", 300, 24576, 7168)])
+# The per-column widths at the shapes they balance (decode: N / width = 128 tiles; M=256-512: 128-row tiles split in M
+# between the two consumer warpgroups, the candidates of scripts/bench_gemm_mosaic.py --only cols), in both output
+# dtypes, at the pipeline depths a GPU run would use.
+@pytest.mark.parametrize("config,m,n,k", [
+    (COLUMN_KINDS["ws1_64x80_k2"][0], 64, 10240, 5120),
+    (COLUMN_KINDS["ws1_64x56_bf16"][0], 16, 7168, 18432),
+    (COLUMN_KINDS["ws1_64x192"][0], 64, 24576, 7168),
+    (COLUMN_KINDS["ws2_n_128x192"][0], 300, 24576, 7168),
+    (MosaicGemmConfig(tile_m=128, tile_n=160, max_concurrent_steps=3, k_blocks_per_step=2), 256, 10240, 5120),
+    (MosaicGemmConfig(tile_m=128, tile_n=224, max_concurrent_steps=5), 512, 7168, 18432),
+    (MosaicGemmConfig(tile_m=128, tile_n=112, max_concurrent_steps=5), 256, 7168, 18432),
+], ids=["d80_k2", "d56", "d192", "n_128x192", "m_128x160_k2", "m_128x224", "m_128x112"])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_column_kinds_lower_for_cuda(kind, m, n, k, out_dtype):
-  config = gm._fit_smem(dataclasses.replace(COLUMN_KINDS[kind][0], max_concurrent_steps=4), out_dtype, 1 << 20)
+def test_column_kinds_lower_for_cuda(config, m, n, k, out_dtype):
+  depth = max(config.max_concurrent_steps, 4)  # the CPU kinds are shallow; _fit_smem trims what does not fit
+  config = gm._fit_smem(dataclasses.replace(config, max_concurrent_steps=depth, grid_size=None), out_dtype, 1 << 20)
   _lower(m, n, k, config, out_dtype, with_bias=True)
 
 
