@@ -2,8 +2,8 @@
 
 Contenders (names for `contenders`), all timed in one process with CUPTI kernel time (`jaxfp8.timing`):
   "linear":       jitted `w8a8_block_fp8_linear(x, w_q, w_s)` as dispatched here (quantizer + GEMM + any slice).
-  "gemm":         the GEMM alone, same implementation, config and buffer layout as the linear's plan, on activations
-                  quantized beforehand.
+  "gemm":         the GEMM alone, same implementation, config and buffer layout as the linear's plan (the padded
+                  rows, and out_rows = M where the quantizer padded them), on activations quantized beforehand.
   "quant":        the activation quantizer alone (the plan's implementation and layout).
   "dequant_bf16": BASELINE `gemm_xla.dequant_bf16_matmul_baseline` on the same quantized activations: XLA dequantizes
                   both operands to bf16, then one bf16 dot.
@@ -60,7 +60,8 @@ def _contenders(plan: linear.LinearPlan, block_size: tuple[int, int]) -> dict:
           x, w_q, w_s, block_size, implementation=plan.implementation, interpret=False)),
       "gemm": jax.jit(lambda x, w_q, w_s, a_q, a_s: gemm.w8a8_block_fp8_matmul(
           a_q, w_q, a_s, w_s, block_size, a_s_column_major=col, out_dtype=jnp.bfloat16,
-          implementation=plan.implementation, interpret=False)),
+          implementation=plan.implementation, interpret=False,
+          out_rows=plan.m if plan.padded_rows != plan.m and plan.m else None)),
       "quant": jax.jit(lambda x, w_q, w_s, a_q, a_s: quant.per_token_group_quant_fp8(
           x, block_size[1], **quant_kwargs)),
       "dequant_bf16": jax.jit(lambda x, w_q, w_s, a_q, a_s: gemm_xla.dequant_bf16_matmul_baseline(

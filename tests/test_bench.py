@@ -8,6 +8,9 @@ import sys
 import types
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxfp8 import bench
@@ -169,3 +172,20 @@ def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
   assert rows[("gemm", "xla")]["speedup_vs_best_baseline"] == 1.0
   assert rows[("linear", "linear")]["kernels"] == ["quantize", "gemm"]
   assert not any("WARNING" in line for line in lines) and "wall us" not in "\n".join(lines)
+
+
+def test_linear_bench_gemm_part_reads_the_plans_padded_buffers():
+  # The "gemm" part times the GEMM as the linear runs it: on the quantizer's padded rows, computing the live rows only.
+  from jaxfp8 import bench_linear, linear, weights
+  m, n, k = 5, 256, 512
+  x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
+  w_q, w_s = weights.quantize_weight_blockwise(jax.random.normal(jax.random.key(1), (n, k), jnp.float32), (128, 128))
+  plan = linear.explain(x, w_q, (128, 128), implementation="xla", row_alignment=64)
+  assert (plan.m, plan.padded_rows) == (m, 64)
+  parts = bench_linear._contenders(plan, (128, 128))
+  a_q, a_s = parts["quant"](x, w_q, w_s, None, None)
+  assert a_q.shape == (64, k)
+  out = np.asarray(parts["gemm"](x, w_q, w_s, a_q, a_s), np.float32)
+  whole = np.asarray(parts["linear"](x, w_q, w_s, a_q, a_s), np.float32)
+  assert out.shape == whole.shape == (m, n)
+  np.testing.assert_allclose(out, whole, rtol=2e-2, atol=1e-2 * np.abs(whole).max())
