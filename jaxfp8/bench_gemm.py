@@ -37,7 +37,6 @@ from jaxfp8 import reference as ref
 CONTENDERS = ("triton", "mosaic", "xla", "dequant_bf16", "fp8_per_tensor", "torch_scaled_mm")
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (PALLAS_NOTES.md)
 L2_BYTES = 60 << 20
-MOSAIC_DECODE_ROWS = 64  # the Mosaic GEMM's decode row tile, which jaxfp8.linear pads the quantized rows to
 # (name, N, K): DeepSeek-V3 and Qwen3-32B weights from shapes.json.
 DEFAULT_SHAPES: tuple[tuple[str, int, int], ...] = (
     ("dsv3.q_proj_no_lora", 24576, 7168),
@@ -96,13 +95,13 @@ def make_activation(key, m: int, k: int, gk: int):
   return a_q, a_s_col
 
 
-def decode_tile_buffers(a_q, a_s_col, rows: int = MOSAIC_DECODE_ROWS):
-  """The quantizer's buffers padded to `rows` rows (row_alignment=64): zero codes and scale 1.0 past M, which is
-  what the Mosaic contender reads below 64 rows (with out_rows=M), as `jaxfp8.linear` hands them to it."""
-  m = a_q.shape[0]
-  a_q = jnp.concatenate([a_q, jnp.zeros((rows - m, a_q.shape[1]), a_q.dtype)])
-  pad = jnp.ones((a_s_col.shape[0], rows - a_s_col.shape[1]), jnp.float32)
-  return a_q, jnp.concatenate([a_s_col, pad], axis=1)
+def decode_tile_buffers(a_q, b_q, a_s_col, b_s, rows: int = gemm.MOSAIC_DECODE_ROWS):
+  """The arguments with the activations as the quantizer's buffers padded to `rows` rows (row_alignment=64): zero
+  codes and scale 1.0 past M, which is what the Mosaic contender reads below 64 rows (with out_rows=M), as
+  `jaxfp8.linear` hands them to it."""
+  a_q = jnp.pad(a_q, ((0, rows - a_q.shape[0]), (0, 0)))
+  a_s_col = jnp.pad(a_s_col, ((0, 0), (0, rows - a_s_col.shape[1])), constant_values=1.0)
+  return a_q, b_q, a_s_col, b_s
 
 
 def rotation_sets(weight_bytes: int, activation_bytes: int) -> int:
@@ -246,11 +245,10 @@ def run(
           _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer)
           continue
         fn, args, note = jax_fns[name], arg_sets, None
-        if name == "mosaic" and m < MOSAIC_DECODE_ROWS:
+        if name == "mosaic" and m < gemm.MOSAIC_DECODE_ROWS:
           fn = _jax_contender(name, block_size, out_rows=m)
-          args = [(*decode_tile_buffers(a_q, a_s), b_q, b_s) for a_q, b_q, a_s, b_s in arg_sets]
-          args = [(a_q, b_q, a_s, b_s) for a_q, a_s, b_q, b_s in args]
-          note = f"the quantizer's {MOSAIC_DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
+          args = [decode_tile_buffers(*arg_set) for arg_set in arg_sets]
+          note = f"the quantizer's {gemm.MOSAIC_DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
         try:
           out = np.asarray(jax.block_until_ready(fn(*args[0]))).astype(np.float32)
           err = None if name == "fp8_per_tensor" else ref.relative_error(out[np.ix_(sample_rows, cols)], expected)

@@ -60,8 +60,7 @@ def _contenders(plan: linear.LinearPlan, block_size: tuple[int, int]) -> dict:
           x, w_q, w_s, block_size, implementation=plan.implementation, interpret=False)),
       "gemm": jax.jit(lambda x, w_q, w_s, a_q, a_s: gemm.w8a8_block_fp8_matmul(
           a_q, w_q, a_s, w_s, block_size, a_s_column_major=col, out_dtype=jnp.bfloat16,
-          implementation=plan.implementation, interpret=False,
-          out_rows=plan.m if plan.padded_rows != plan.m and plan.m else None)),
+          implementation=plan.implementation, interpret=False, out_rows=plan.gemm_out_rows)),
       "quant": jax.jit(lambda x, w_q, w_s, a_q, a_s: quant.per_token_group_quant_fp8(
           x, block_size[1], **quant_kwargs)),
       "dequant_bf16": jax.jit(lambda x, w_q, w_s, a_q, a_s: gemm_xla.dequant_bf16_matmul_baseline(

@@ -29,6 +29,9 @@ OUT_DTYPES = _checks.FLOAT_DTYPES
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # The only scale block the Mosaic GPU kernel implements (DeepSeek-V3's).
 MOSAIC_BLOCK = 128
+# The Mosaic kernel's decode row tile: below it, the quantizer's buffers padded to it (with out_rows) read faster than
+# unpadded ones, whose missing rows TMA fills with zeros.
+MOSAIC_DECODE_ROWS = 64
 _MOSAIC_MODULE = "pallas_kernels.gemm_mosaic"
 
 

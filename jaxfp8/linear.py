@@ -63,7 +63,6 @@ EPS = 1e-10  # SPEC 1's default floor of a group's absolute maximum
 # The Mosaic GEMM describes the TMA of a_q through an (8, 128)-tiled view, which exists when M % 8 == 0 or M < 8;
 # other M make its launcher copy a_q into a padded buffer.
 _MOSAIC_TMA_ROWS = 8
-_MOSAIC_DECODE_ROWS = 64  # the Mosaic GEMM's decode row tile (pallas_kernels.gemm_mosaic.WGMMA_M)
 _QUANT_MOSAIC_MODULE = "pallas_kernels.quant_mosaic"
 
 
@@ -195,6 +194,11 @@ class LinearPlan:
     """Rows of the quantized activations (the GEMM computes only the first M of them)."""
     return _checks.round_up(self.m, self.row_alignment)
 
+  @property
+  def gemm_out_rows(self) -> int | None:
+    """The GEMM's `out_rows`: M where the quantizer padded the rows, else None."""
+    return self.m if self.padded_rows != self.m else None
+
   def __str__(self) -> str:
     pallas = self.implementation != "xla" or self.quant_implementation != "xla"
     mode = " (interpreted)" if self.interpret and pallas else ""
@@ -241,8 +245,9 @@ def _mosaic_row_alignment(m: int, n: int, k: int, block_size: tuple[int, int]) -
   faster than it has TMA fill the missing rows with zeros (H200, session 5: 38.6 vs 43.4 us at M=16 N=7168 K=18432,
   46.3 vs 54.7 us at M=16 N=24576 K=7168); else the least padding with which it reads the quantizer's buffers as they
   are."""
-  if 0 < m < _MOSAIC_DECODE_ROWS and gemm.mosaic_unsupported_reason(_MOSAIC_DECODE_ROWS, n, k, block_size) is None:
-    return _MOSAIC_DECODE_ROWS
+  decode_rows = gemm.MOSAIC_DECODE_ROWS
+  if 0 < m < decode_rows and gemm.mosaic_unsupported_reason(decode_rows, n, k, block_size) is None:
+    return decode_rows
   for alignment in (1, 4, _MOSAIC_TMA_ROWS):
     rows = _checks.round_up(m, alignment)
     tma_ok = rows % _MOSAIC_TMA_ROWS == 0 or rows < _MOSAIC_TMA_ROWS
@@ -425,10 +430,7 @@ def _apply(x, w_q, w_s, bias, plan: LinearPlan):
       implementation=plan.quant_implementation, interpret=plan.interpret, config=None)
   out = gemm.w8a8_block_fp8_matmul(
       q, w_q, s, w_s, plan.block_size, a_s_column_major=col, out_dtype=plan.out_dtype, bias=bias,
-      implementation=plan.implementation, config=plan.config, interpret=plan.interpret,
-      out_rows=m if q.shape[0] != m and m > 0 else None)
-  if out.shape[0] != m:  # M = 0: the quantizer's padded rows (nothing to compute)
-    out = out[:m]
+      implementation=plan.implementation, config=plan.config, interpret=plan.interpret, out_rows=plan.gemm_out_rows)
   return out.reshape(*lead, n)
 
 
