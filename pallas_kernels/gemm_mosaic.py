@@ -581,18 +581,17 @@ def block_fp8_matmul(
   (e.g. the quantizer's zero rows up to a whole 64-row tile), read as they are instead of as TMA zero fill.
   Raises ValueError for inputs or configs the kernel cannot do.
   """
-  k = a_q.shape[1]
+  rows_read, k = a_q.shape
   n = b_q.shape[0]
+  m = out_rows or rows_read
   out_dtype = jnp.dtype(out_dtype)
   if config is None:
     # By the rows read: padding rows cost what real ones do (unlike TMA's zero fill of rows past a_q).
-    config = default_config(a_q.shape[0], n, k, out_dtype)
+    config = default_config(rows_read, n, k, out_dtype)
   check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config, out_rows)
-  m = a_q.shape[0]
-  if m > 8 and m % 8:
+  if rows_read > 8 and rows_read % 8:
     # The tiled TMA view of a_q needs M % 8 == 0 (module docstring): zero rows, never stored, make it so.
-    a_q = jnp.pad(a_q, ((0, -m % 8), (0, 0)))
-  m = out_rows or m
+    a_q = jnp.pad(a_q, ((0, -rows_read % 8), (0, 0)))
   m_iters, n_iters = pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   interpret_params: Any = plgpu.InterpretGPUParams() if interpret else None

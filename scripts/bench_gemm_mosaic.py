@@ -97,8 +97,7 @@ def balanced_widths(n: int, row_tiles: int = 1, num_sms: int = 132, count: int =
   per-column-scale candidates of `--only cols`."""
   tiles = lambda w: row_tiles * (n // w)
   widths = [w for w in range(min_width, 257, 8) if n % w == 0 and tiles(w) <= max_waves * num_sms]
-  balance = lambda w: tiles(w) / (math.ceil(tiles(w) / num_sms) * num_sms)
-  return sorted(widths, key=lambda w: (-round(balance(w), 2), -w))[:count]
+  return sorted(widths, key=lambda w: (-round(gm._balance(tiles(w), num_sms), 2), -w))[:count]
 
 
 def cols_candidates(m: int, n: int) -> dict[str, MosaicGemmConfig]:
