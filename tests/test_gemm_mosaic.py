@@ -142,16 +142,9 @@ def test_per_column_weight_scales(rng, kind, with_bias):
 
 @pytest.mark.parametrize("kind", ["ws1_64x80_k2", "ws1_64x192"])
 def test_per_column_exact_small_integers(rng, kind):
-  # Each column must take exactly its own block's scale: with power-of-two scales the result is bit-exact.
+  # Each column must take exactly its own block's scale; weight scales over 2^-6..2^6 so that a neighbour's shows.
   config, n, m, _ = COLUMN_KINDS[kind]
-  k = 256
-  a_q = rng.integers(-4, 5, (m, k)).astype(np.float32).astype(ref.FP8)
-  b_q = rng.integers(-4, 5, (n, k)).astype(np.float32).astype(ref.FP8)
-  a_s = (2.0 ** rng.integers(-2, 3, (k // 128, -(-m // 4) * 4))).astype(np.float32)
-  b_s = (2.0 ** rng.integers(-6, 7, (n // 128, k // 128))).astype(np.float32)
-  out = _run(a_q, b_q, a_s, b_s, config=config)
-  expect = ref.cast_output(ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True), jnp.float32)
-  np.testing.assert_array_equal(out, expect)
+  _check_exact_small_integers(rng, config, m, n, 256, max_b_s_exponent=6)
 
 
 @pytest.mark.parametrize("kind", ["simple_64x128_k2", "ws2_m_128x128", "ws2_n_128x256", "ws1_64x64"])
@@ -182,13 +175,16 @@ def test_out_dtypes_and_bias(rng, kind, out_dtype, bias_dtype):
 
 @pytest.mark.parametrize("kind", ["simple_128x256", "ws2_m_128x128_k2_epi16", "ws2_n_128x256", "ws1_64x64"])
 def test_exact_small_integers(rng, kind):
-  # SPEC 2 exactness: integer fp8 in [-4, 4], power-of-two scales in [1/4, 4], K <= 2048 -> bit-exact fp32.
-  m, n, k = 132, 256, 640
+  _check_exact_small_integers(rng, KINDS[kind], 132, 256, 640)
+
+
+def _check_exact_small_integers(rng, config, m, n, k, max_b_s_exponent=2):
+  """SPEC 2 exactness: integer fp8 in [-4, 4], power-of-two scales, K <= 2048 -> bit-exact fp32."""
   a_q = rng.integers(-4, 5, (m, k)).astype(np.float32).astype(ref.FP8)
   b_q = rng.integers(-4, 5, (n, k)).astype(np.float32).astype(ref.FP8)
-  a_s = (2.0 ** rng.integers(-2, 3, (k // 128, m))).astype(np.float32)
-  b_s = (2.0 ** rng.integers(-2, 3, (n // 128, k // 128))).astype(np.float32)
-  out = _run(a_q, b_q, a_s, b_s, config=KINDS[kind])
+  a_s = (2.0 ** rng.integers(-2, 3, (k // 128, -(-m // 4) * 4))).astype(np.float32)
+  b_s = (2.0 ** rng.integers(-max_b_s_exponent, max_b_s_exponent + 1, (n // 128, k // 128))).astype(np.float32)
+  out = _run(a_q, b_q, a_s, b_s, config=config)
   expect = ref.cast_output(ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True), jnp.float32)
   np.testing.assert_array_equal(out, expect)
 
