@@ -18,9 +18,12 @@ scalars from global memory (a few bytes per step; TMA cannot copy less than 16 b
 Two kernels share the math:
   - `warp_specialized=False`: one warpgroup, `plgpu.emit_pipeline`, one CTA per output tile: the simple structure,
     kept as a fallback and a baseline for measurements.
-  - `warp_specialized=True`: a TMA producer warpgroup plus one or two consumer warpgroups
+  - `warp_specialized=True`: a TMA producer warpgroup plus one to three consumer warpgroups
     (`plgpu.emit_pipeline_warp_specialized`), a persistent grid (`plgpu.nd_loop` over at most one CTA per SM, tiles
     visited in `plgpu.planar_snake` order for L2 reuse) and a TMA epilogue through SMEM with the bias fused.
+    Large M runs three consumer warpgroups of 64x128 on 192x128 tiles, in CTA pairs that share their A tile: while
+    one warpgroup waits for its wgmma and promotes, the other two keep the tensor cores busy, and each holds only a
+    64x128 running accumulator plus one fresh one (128 of its 152 registers, no spills).
 
 Each consumer warpgroup owns a (wg_m, wg_n) part of the CTA tile, processed as 64-row "sub-tiles" of at most 128
 columns. When the tile width divides 128 or is a multiple of it, a sub-tile never straddles a 128-column weight-scale
@@ -89,8 +92,8 @@ class MosaicGemmConfig:
     scaling of the first.
   warp_specialized: False: the simple one-warpgroup kernel (grid of tiles). True: producer + consumer warpgroups on a
     persistent grid.
-  num_compute_wgs: consumer warpgroups (1 or 2; warp-specialized only). wg_split: the dimension they split the tile
-    along.
+  num_compute_wgs: consumer warpgroups (1, 2 or 3; warp-specialized only). wg_split: the dimension they split the
+    tile along.
   grid_minor_dim, grid_tile_width: the persistent tile order (`plgpu.planar_snake`).
   epi_tile_n: columns per epilogue TMA store; None = the most that divides the sub-tile width and fits in 128 bytes
     (64 for 16-bit outputs and 32 for float32 at the usual widths), 128 bytes being the limit (the epilogue buffers
@@ -151,8 +154,8 @@ class MosaicGemmConfig:
 
   def validate(self) -> None:
     """Raises ValueError for a config this kernel cannot build."""
-    if self.num_compute_wgs not in (1, 2):
-      raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+    if self.num_compute_wgs not in (1, 2, 3):
+      raise ValueError(f"num_compute_wgs must be 1, 2 or 3, got {self.num_compute_wgs}")
     if self.k_blocks_per_step not in (1, 2):
       raise ValueError(f"k_blocks_per_step must be 1 or 2, got {self.k_blocks_per_step}")
     if self.tile_n % 8 or not 0 < self.tile_n <= 256:
@@ -457,8 +460,71 @@ def _balance(num_tiles: int, num_ctas: int) -> float:
   return num_tiles / (pl.cdiv(num_tiles, num_ctas) * num_ctas)
 
 
+def _row_fill(m: int, tile_m: int) -> float:
+  """Fraction of the row tiles' rows that are real (the rest of the last row tile is TMA zero fill)."""
+  return m / (pl.cdiv(m, tile_m) * tile_m)
+
+
+# Speed per unit of work of each prefill schedule relative to 128x256 tiles on two consumer warpgroups, at equal SM
+# occupancy (H200, CUPTI; benchmarks/README.md, sessions 3-6):
+_SPEED_THREE_WGS = 1.09  # 192x128, 3 consumer WGs, CTA pairs sharing A: 1067 vs 1131 us (M=4096 N=24576 K=7168)
+_SPEED_128X128_K2 = 1 / 1.03  # 128x128, 2 K blocks per step (1.5% slower per FLOP at M=4096, charged 3%)
+_SPEED_128X128 = 0.935  # 128x128, 1 K block per step (1174 vs 1256 TFLOP/s at M=4096 N=24576 K=7168)
+_SPEED_64X128 = 0.8 * _SPEED_128X128  # 64x128 split in N (a guess from session 3, never contradicted)
+_SPEED_COLUMNS = 0.77 * _SPEED_128X128  # 128x160 scaled per column, vs 128x128 tiles (M=512 N=10240 K=5120)
+
+
+def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = None
+                       ) -> list[tuple[float, MosaicGemmConfig]]:
+  """The M > 64 schedules that apply to (m, n), each with its score: measured speed times SM occupancy (full waves
+  of the persistent grid, real rows of the row tiles). `default_config` takes the best."""
+  n_blocks = n // BLOCK
+  wide_tiles = pl.cdiv(m, 128) * n_blocks  # 128x128
+  fill_128 = _row_fill(m, 128)
+  scored: list[tuple[float, MosaicGemmConfig]] = []
+  # 128x256 tiles, the two consumer warpgroups side by side in N (128x128 each), on a persistent grid: the fastest
+  # two-warpgroup schedule at M >= 1024 (M=4096 N=24576 K=7168: 1256 TFLOP/s vs 1174 for 128x128 tiles; N=7168
+  # K=18432: 1275 vs 1163), where its tiles fill at least 80% of the SMs' slots (M=256 N=24576: 192 tiles, lost).
+  wider_balance = _balance(pl.cdiv(m, 128) * pl.cdiv(n, 256), num_sms) * fill_128
+  # 128x128 tiles with two K blocks per step (each warpgroup's second wgmma overlaps the promotion of its first):
+  # half the tile, so fewer wasted slots where 128x256 tiles leave many of their last wave empty (session 4,
+  # M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Three stages of 2 x 32 KiB leave room for 16-column epilogue stores
+  # only. Taken where the wider tiles fill at least 80% of their slots (below that, the one-block schedule next
+  # measured faster: M=256, 84.8 vs 87.1 us at N=24576 K=7168).
+  if wider_balance >= 0.8:
+    scored.append((wider_balance, MosaicGemmConfig(
+        tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n)))
+    scored.append((_SPEED_128X128_K2 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
+        tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
+        epi_tile_n=16)))
+  else:
+    # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape); when those leave SMs idle too,
+    # 64x128 tiles split in N (twice the tiles).
+    scored.append((_SPEED_128X128 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
+        tile_m=128, tile_n=128, max_concurrent_steps=6, num_compute_wgs=2, wg_split=Dim.M, epi_tile_n=epi_tile_n)))
+    scored.append((_SPEED_64X128 * _balance(pl.cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
+                   MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
+                                    wg_split=Dim.N, epi_tile_n=epi_tile_n)))
+    # 160-wide tiles (scaled per column) where 160 divides N: M=256 N=10240 K=5120 (Qwen3-32B qkv) in 128 tiles of
+    # 128x160 ran 32.7 us, vs 44.9 for 320 tiles of 64x128 (session 6). Other widths measured slower than 128.
+    if n % 160 == 0:
+      scored.append((_SPEED_COLUMNS * _balance(pl.cdiv(m, 128) * (n // 160), num_sms) * fill_128, MosaicGemmConfig(
+          tile_m=128, tile_n=160, max_concurrent_steps=2, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
+          epi_tile_n=epi_tile_n)))
+  # Three consumer warpgroups of 64x128 on 192x128 tiles, CTA pairs that share their A tile (TMA multicast) and a
+  # 16-wide tile order: the third warpgroup's wgmmas keep the tensor cores busy while the other two wait for theirs
+  # and promote. Fastest wherever its 192-row tiles waste few rows (session 6, M=2048 and 4096: 1313-1368 TFLOP/s,
+  # 2-8% ahead of 128x256; M=1024, where 11% of the rows are padding: 1-7% behind).
+  pairs = pl.cdiv(m, 192) * pl.cdiv(n_blocks, 2)
+  pair_fill = n_blocks / (2 * pl.cdiv(n_blocks, 2))  # an odd tile count leaves one CTA of a pair idle
+  scored.append((_SPEED_THREE_WGS * _balance(pairs, max(num_sms // 2, 1)) * _row_fill(m, 192) * pair_fill,
+                 MosaicGemmConfig(tile_m=192, tile_n=128, max_concurrent_steps=4, num_compute_wgs=3,
+                                  cluster_dim=Dim.N, grid_tile_width=16, epi_tile_n=epi_tile_n)))
+  return scored
+
+
 def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int | None = None) -> MosaicGemmConfig:
-  """Heuristic config by problem size, from the H200 sweeps of scripts/bench_gemm_mosaic.py (2026-11-29 session 3,
+  """Heuristic config by problem size, from the H200 sweeps of scripts/bench_gemm_mosaic.py (2026-11-29 sessions 3-6,
   benchmarks/mosaic_sweep_h200_*.json)."""
   num_sms = num_sms or _platform.num_sms()
   epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
@@ -479,39 +545,7 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
         persistent=False, epi_tile_n=epi_tile_n,
     )
   else:
-    # Prefill: 128x256 CTA tiles, the two consumer warpgroups side by side in N (128x128 each), on a persistent grid:
-    # measured the fastest at M >= 1024 (M=4096 N=24576 K=7168: 1256 TFLOP/s vs 1174 for 128x128 tiles; N=7168
-    # K=18432: 1275 vs 1163), as long as the tiles fill the SMs' slots (at M=256 N=24576, 192 tiles over 132 SMs, they
-    # lost to 128x128). Otherwise 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape); when those
-    # leave SMs idle too, 64x128 tiles split in N (twice the tiles, at a guessed 20% lower per-tile efficiency).
-    # Where 128x256 tiles leave many slots of their last wave empty, 128x128 tiles with two K blocks per step
-    # (each warpgroup's second wgmma overlaps the promotion of its first) take over: half the tile, so fewer
-    # wasted slots, for about 1.5% more time per FLOP (session 3: 1165.6 vs 1148.7 us at M=4096 N=24576 K=7168;
-    # session 4, M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Waves are counted per 128x256 of work, the 128x128
-    # schedule charged 3%.
-    wider_tiles = pl.cdiv(m, 128) * pl.cdiv(n, 256)
-    wide_tiles = pl.cdiv(m, 128) * (n // 128)
-    narrow = 0.8 * _balance(pl.cdiv(m, 64) * (n // 128), num_sms)
-    if _balance(wider_tiles, num_sms) >= 0.8:
-      if 1.03 * 0.5 * pl.cdiv(wide_tiles, num_sms) < pl.cdiv(wider_tiles, num_sms):
-        # Three stages of 2 x 32 KiB leave room for 16-column epilogue stores only.
-        config = MosaicGemmConfig(
-            tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
-            epi_tile_n=16,
-        )
-      else:
-        config = MosaicGemmConfig(
-            tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n,
-        )
-    elif _balance(wide_tiles, num_sms) >= narrow:
-      config = MosaicGemmConfig(
-          tile_m=128, tile_n=128, max_concurrent_steps=6, num_compute_wgs=2, wg_split=Dim.M, grid_minor_dim=Dim.M,
-          grid_tile_width=8, epi_tile_n=epi_tile_n,
-      )
-    else:
-      config = MosaicGemmConfig(
-          tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n,
-      )
+    config = max(prefill_candidates(m, n, num_sms, epi_tile_n), key=lambda sc: sc[0])[1]  # the first of equals
   return _fit_smem(config, out_dtype, pl.cdiv(k // BLOCK, config.k_blocks_per_step))
 
 

@@ -1,7 +1,7 @@
 """GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (pallas_kernels/gemm_mosaic.py).
 
   python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick] [--shapes N,K;N,K] [--m 1,16,64]
-                                              [--only decode|medium|prefill|cols] [--unscaled]
+                                              [--only decode|medium|prefill|wg3|wg3_tune|cols|choices] [--unscaled]
 
 (a) every candidate config against an f32 XLA computation of SPEC 2 at a few odd shapes (partial row tiles, bias);
 (b) CUPTI kernel times (jaxfp8.timing.median_kernel_us) at M in {1, 16, 64, 256, 1024, 4096} for (N, K) =
@@ -87,7 +87,30 @@ PREFILL = {
     "p128x256_n_s4_clM": C(tile_m=128, tile_n=256, max_concurrent_steps=4, wg_split=Dim.N,
                            cluster_dim=Dim.M),
 }
-CANDIDATES = {**DECODE, **MEDIUM, **PREFILL}
+# Prefill with three consumer warpgroups of 64 rows each: a third wgmma stream to cover each warpgroup's wait and
+# promotion, in the registers the two-warpgroup 128x128-per-warpgroup tiles spend on their running accumulators.
+THREE_WGS = {
+    "p128x256_n_s4": PREFILL["p128x256_n_s4"],
+    "p192x128_3m_s4": C(tile_m=192, tile_n=128, max_concurrent_steps=4, num_compute_wgs=3),
+    "p192x128_3m_s4_nminor": C(tile_m=192, tile_n=128, max_concurrent_steps=4, num_compute_wgs=3,
+                               grid_minor_dim=Dim.N),
+    "p192x128_3m_s4_clN": C(tile_m=192, tile_n=128, max_concurrent_steps=4, num_compute_wgs=3, cluster_dim=Dim.N),
+    "p192x256_3m_s3": C(tile_m=192, tile_n=256, max_concurrent_steps=3, num_compute_wgs=3),
+}
+# Around the winner of THREE_WGS (p192x128_3m_s4_clN): pipeline depth, tile order, which operand the CTA pair
+# shares, and the pair multicast for the two-warpgroup 128x256 tiles.
+_3M = dict(tile_m=192, tile_n=128, num_compute_wgs=3)
+THREE_WGS_TUNE = {
+    "p192x128_3m_s4_clN": C(**_3M, max_concurrent_steps=4, cluster_dim=Dim.N),
+    "p192x128_3m_s5_e16_clN": C(**_3M, max_concurrent_steps=5, epi_tile_n=16, cluster_dim=Dim.N),
+    "p192x128_3m_s4_clN_w4": C(**_3M, max_concurrent_steps=4, cluster_dim=Dim.N, grid_tile_width=4),
+    "p192x128_3m_s4_clN_w16": C(**_3M, max_concurrent_steps=4, cluster_dim=Dim.N, grid_tile_width=16),
+    "p192x128_3m_s4_clM": C(**_3M, max_concurrent_steps=4, cluster_dim=Dim.M),
+    "p128x256_n_s4_clN": C(tile_m=128, tile_n=256, max_concurrent_steps=4, wg_split=Dim.N, cluster_dim=Dim.N),
+    "p128x256_n_s4_clM": PREFILL["p128x256_n_s4_clM"],
+}
+GROUPS = {"decode": DECODE, "medium": MEDIUM, "prefill": PREFILL, "wg3": THREE_WGS, "wg3_tune": THREE_WGS_TUNE}
+CANDIDATES = {**DECODE, **MEDIUM, **PREFILL, **THREE_WGS, **THREE_WGS_TUNE}
 
 
 def balanced_widths(n: int, row_tiles: int = 1, num_sms: int = 132, count: int = 3, min_width: int = 32,
@@ -206,12 +229,12 @@ def _short(e: BaseException) -> str:
   return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def check_configs(results: dict, deadline: float) -> int:
-  """Every config (and the heuristic's) against the f32 reference: bf16 at two odd shapes, f32 at one."""
+def check_configs(results: dict, deadline: float, candidates: dict[str, MosaicGemmConfig] = CANDIDATES) -> int:
+  """Every candidate config (and the heuristic's) against the f32 reference: bf16 at two odd shapes, f32 at one."""
   failures = 0
   cases = CHECK_CASES
   problems = {}
-  for name, config in {"default": None, **CANDIDATES}.items():
+  for name, config in {"default": None, **candidates}.items():
     for m, n, k, out_dtype in cases:
       key = f"{name} M={m} N={n} K={k} {jnp.dtype(out_dtype).name}"
       if time.monotonic() > deadline:
@@ -241,12 +264,20 @@ def check_configs(results: dict, deadline: float) -> int:
   return failures
 
 
+def _config_name(c: MosaicGemmConfig) -> str:
+  name = f"p{c.tile_m}x{c.tile_n}_{c.num_compute_wgs}{c.wg_split.name.lower()}_k{c.k_blocks_per_step}"
+  name += f"_s{c.max_concurrent_steps}"
+  return name + (f"_cl{c.cluster_dim.name}" if c.cluster_dim is not None else "")
+
+
 def _configs_for(m: int, n: int, only: str | None = None) -> dict[str, MosaicGemmConfig]:
   """The sweep candidates for row count m and N (`only` picks one group regardless of m)."""
   if only == "cols":
     return cols_candidates(m, n)
+  if only == "choices":  # every schedule gm.default_config weighed for this shape (M > 64)
+    return {_config_name(c): c for _, c in gm.prefill_candidates(m, n, _platform.num_sms())}
   if only is not None:
-    return {"decode": DECODE, "medium": MEDIUM, "prefill": PREFILL}[only]
+    return GROUPS[only]
   if m <= 64:
     return {**DECODE, "m64x128_n_s7": MEDIUM["m64x128_n_s7"]}
   if m <= 256:
@@ -345,9 +376,10 @@ def main() -> int:
   parser.add_argument("--skip_checks", action="store_true")
   parser.add_argument("--shapes", default=None, help="N,K pairs separated by ';' (default: 24576,7168;7168,2048)")
   parser.add_argument("--m", default=None, help="comma-separated M values (default: 1,16,64,256,1024,4096)")
-  parser.add_argument("--only", choices=("decode", "medium", "prefill", "cols"), default=None,
+  parser.add_argument("--only", choices=(*GROUPS, "cols", "choices"), default=None,
                       help="sweep this candidate group at every M instead of the group for each M (cols: the "
-                           "balanced per-column-scale widths of each N, decode or 128-row tiles by M)")
+                           "balanced per-column-scale widths of each N, decode or 128-row tiles by M; choices: "
+                           "every schedule gemm_mosaic.default_config weighs at M > 64)")
   parser.add_argument("--unscaled", action="store_true", help="add the no-promotion diagnostic rows (docstring)")
   args = parser.parse_args()
   shapes = TIMED_SHAPES if args.shapes is None else [
@@ -363,7 +395,10 @@ def main() -> int:
   try:
     if not args.skip_checks:
       # Checks get at most 35% of the budget; timing is what this script is for.
-      failures = check_configs(results, start + 0.35 * args.budget_s)
+      # The swept group only; --only cols and choices have no fixed candidates (they depend on the shape; the GPU
+      # tests check those kernels), so they check the heuristic's configs alone.
+      candidates = CANDIDATES if args.only is None else GROUPS.get(args.only, {})
+      failures = check_configs(results, start + 0.35 * args.budget_s, candidates)
     time_configs(results, start + args.budget_s, args.quick, shapes, ms, args.only, args.unscaled)
     summarize(results)
   finally:

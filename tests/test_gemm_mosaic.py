@@ -57,6 +57,10 @@ KINDS: dict[str, MosaicGemmConfig] = {
                                               grid_size=4, cluster_dim=Dim.M),
     "ws2_m_128x128_clusterN": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, grid_size=2,
                                                cluster_dim=Dim.N),
+    # Three consumer warpgroups of 64x128 in CTA pairs sharing the A tile (the large-M default): one cluster looping
+    # over the pairs, the last pair's second tile past N at N=384.
+    "ws3_m_192x128_clusterN": MosaicGemmConfig(tile_m=192, tile_n=128, max_concurrent_steps=2, num_compute_wgs=3,
+                                               grid_size=2, cluster_dim=Dim.N, grid_tile_width=16),
     # Decode: one consumer warpgroup, one CTA per tile.
     "ws1_64x64": MosaicGemmConfig(tile_m=64, tile_n=64, max_concurrent_steps=4, num_compute_wgs=1, persistent=False),
     "ws1_64x128": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, num_compute_wgs=1, persistent=False),
@@ -278,6 +282,7 @@ def test_rejects_bad_options():
   for bad in (MosaicGemmConfig(tile_n=100), MosaicGemmConfig(tile_n=264), MosaicGemmConfig(tile_n=200),
               MosaicGemmConfig(tile_m=96), MosaicGemmConfig(k_blocks_per_step=3),
               MosaicGemmConfig(tile_m=64, wg_split=Dim.M), MosaicGemmConfig(num_compute_wgs=3),
+              MosaicGemmConfig(tile_m=256, num_compute_wgs=4),
               MosaicGemmConfig(epi_tile_n=48), MosaicGemmConfig(epi_tile_n=128), MosaicGemmConfig(max_concurrent_steps=12),
               MosaicGemmConfig(grid_size=0), MosaicGemmConfig(cluster_dim=Dim.M, persistent=False)):
     with pytest.raises(ValueError):
@@ -343,6 +348,8 @@ DEEP_KINDS = {
     "ws2_n_128x256_s3_clusterN": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=3, wg_split=Dim.N,
                                                   cluster_dim=Dim.N),
     "ws1_64x64_s8_persistent": MosaicGemmConfig(tile_m=64, tile_n=64, max_concurrent_steps=8, num_compute_wgs=1),
+    "ws3_m_192x128_s4_clusterN": MosaicGemmConfig(tile_m=192, tile_n=128, max_concurrent_steps=4, num_compute_wgs=3,
+                                                  cluster_dim=Dim.N, grid_tile_width=16),
 }
 
 
@@ -376,11 +383,18 @@ def test_default_config_follows_the_measurements():
   """The choices the H200 sweeps made (gemm_mosaic.default_config's comments), and the k2 prefill choice lowers."""
   pick = lambda m, n, k: gm.default_config(m, n, k, num_sms=132)
   assert (pick(16, 7168, 18432).tile_n, pick(64, 7168, 18432).tile_n, pick(64, 24576, 7168).tile_n) == (128, 64, 128)
-  for m, n, k in [(4096, 24576, 7168), (1024, 24576, 7168), (4096, 7168, 18432), (4096, 10240, 5120)]:
-    assert (pick(m, n, k).tile_n, pick(m, n, k).wg_split) == (256, Dim.N), (m, n, k)
+  # Session 6: three consumer warpgroups on 192x128 tiles won at M=2048 and 4096 on all three weights, lost at M=1024.
+  for m, n, k in [(4096, 24576, 7168), (4096, 7168, 18432), (4096, 10240, 5120), (2048, 24576, 7168),
+                  (2048, 7168, 18432), (2048, 10240, 5120)]:
+    config = pick(m, n, k)
+    assert (config.num_compute_wgs, config.tile_m, config.tile_n, config.cluster_dim) == (3, 192, 128, Dim.N), (m, n)
+  for m, n, k in [(1024, 24576, 7168), (1024, 7168, 18432)]:
+    assert (pick(m, n, k).num_compute_wgs, pick(m, n, k).tile_n, pick(m, n, k).wg_split) == (2, 256, Dim.N), (m, n)
   qwen3_qkv = pick(1024, 10240, 5120)  # 320 tiles of 128x256 leave 76 of 396 slots empty
   assert (qwen3_qkv.tile_n, qwen3_qkv.k_blocks_per_step, qwen3_qkv.epi_tile_n) == (128, 2, 16)
   _lower(1024, 10240, 5120, qwen3_qkv)
+  # M=256: 128x128 tiles for N=24576 and 7168; 128 tiles of 128x160 for N=10240 (32.7 vs 44.9 us for 64x128).
+  assert [pick(256, n, k).tile_n for n, k in [(24576, 7168), (7168, 18432), (10240, 5120)]] == [128, 128, 160]
 
 
 def test_heuristic_lowers_for_model_shapes():
