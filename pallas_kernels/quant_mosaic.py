@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxfp8 import _exact_division
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -502,7 +503,10 @@ def _kernel_body(
     if ue8m0:
       scale = _ue8m0_round_up(scale)
     scale_full = plgpu.layout_cast(lax.broadcast_in_dim(scale, outer + (g,), (0, 1)), layout_pl)
-    v = x.astype(jnp.float32) / scale_full  # IEEE division (div.rn.f32), not a reciprocal multiply
+    if interpret:  # XLA executes the body: its `/` by a broadcast becomes a reciprocal multiply
+      v = _exact_division.divide_correctly_rounded(x.astype(jnp.float32), scale_full)
+    else:
+      v = x.astype(jnp.float32) / scale_full  # IEEE division (div.rn.f32), not a reciprocal multiply
     if interpret or not _SATFINITE_CAST:
       v = jnp.clip(v, -FP8_MAX, FP8_MAX)
     q_ref[...] = v.astype(FP8)

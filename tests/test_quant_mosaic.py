@@ -212,6 +212,18 @@ def test_pad_rows_beyond_the_input_and_scale_only_columns(rng):
   _check(x, [5, 2], 64, layout="col_packed", ue8m0=True, out_rows=8, scale_cols=13)
 
 
+def test_quotients_next_to_an_fp8_midpoint():
+  """x / s that XLA's reciprocal multiply (x * (1/s)) rounds onto an fp8 rounding midpoint, where round-to-even
+  then picks the wrong neighbour: -0.0511 / s is -215.99998 (code -208), but x * (1/s) is -216.0 (code -224). Found by
+  a random f16 case in interpret mode; the kernel interpreted divides correctly rounded, like div.rn.f32 on the GPU."""
+  x = np.zeros((1, 4, 128), np.float16)
+  x[0, :, 0] = np.float16(0.10596)  # amax: s = 0.10596 / 448 = 0.00023651125
+  x[0, 0, 1], x[0, 1, 1] = np.float16(-0.051086426), np.float16(0.014663696)  # -215.99998 and 61.999996
+  x[0, 2, 0], x[0, 2, 1] = np.float16(6.78125), np.float16(-1.1503906)  # s = 0.01513672: -75.99999
+  q, _ = _check(x, [4], 128, layout="col")
+  assert q[0, 0, 1].astype(np.float32) == -208 and q[0, 1, 1].astype(np.float32) == 60, (q[0, 0, 1], q[0, 1, 1])
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_nan_and_inf(dtype, rng):
   x = random_activations(rng, (1, 7, 256), INPUT_DTYPES[dtype]).astype(np.float32)
