@@ -467,7 +467,10 @@ def _row_fill(m: int, tile_m: int) -> float:
 
 # Speed per unit of work of each prefill schedule relative to 128x256 tiles on two consumer warpgroups, at equal SM
 # occupancy (H200, CUPTI; benchmarks/README.md, sessions 3-6):
-_SPEED_THREE_WGS = 1.09  # 192x128, 3 consumer WGs, CTA pairs sharing A: 1067 vs 1131 us (M=4096 N=24576 K=7168)
+# 192x128, 3 consumer WGs, CTA pairs sharing A: 1067 vs 1131 us at equal occupancy (M=4096 N=24576 K=7168), i.e.
+# 1.06; taken as 1.09 because its partly empty last waves cost less than whole ones (M=4096 N=7168 K=18432, which
+# the 1.06 rates level with 128x256: 824.5 vs 846.7 us).
+_SPEED_THREE_WGS = 1.09
 _SPEED_128X128_K2 = 1 / 1.03  # 128x128, 2 K blocks per step (1.5% slower per FLOP at M=4096, charged 3%)
 _SPEED_128X128 = 0.935  # 128x128, 1 K block per step (1174 vs 1256 TFLOP/s at M=4096 N=24576 K=7168)
 _SPEED_64X128 = 0.8 * _SPEED_128X128  # 64x128 split in N (a guess from session 3, never contradicted)
