@@ -485,18 +485,17 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   wide_tiles = pl.cdiv(m, 128) * n_blocks  # 128x128
   fill_128 = _row_fill(m, 128)
   scored: list[tuple[float, MosaicGemmConfig]] = []
-  # 128x256 tiles, the two consumer warpgroups side by side in N (128x128 each), on a persistent grid: the fastest
-  # two-warpgroup schedule at M >= 1024 (M=4096 N=24576 K=7168: 1256 TFLOP/s vs 1174 for 128x128 tiles; N=7168
-  # K=18432: 1275 vs 1163), where its tiles fill at least 80% of the SMs' slots (M=256 N=24576: 192 tiles, lost).
   wider_balance = _balance(pl.cdiv(m, 128) * pl.cdiv(n, 256), num_sms) * fill_128
-  # 128x128 tiles with two K blocks per step (each warpgroup's second wgmma overlaps the promotion of its first):
-  # half the tile, so fewer wasted slots where 128x256 tiles leave many of their last wave empty (session 4,
-  # M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Three stages of 2 x 32 KiB leave room for 16-column epilogue stores
-  # only. Taken where the wider tiles fill at least 80% of their slots (below that, the one-block schedule next
-  # measured faster: M=256, 84.8 vs 87.1 us at N=24576 K=7168).
   if wider_balance >= 0.8:
+    # 128x256 tiles, the two consumer warpgroups side by side in N (128x128 each), on a persistent grid: the fastest
+    # two-warpgroup schedule at M >= 1024 (M=4096 N=24576 K=7168: 1256 TFLOP/s vs 1174 for 128x128 tiles; N=7168
+    # K=18432: 1275 vs 1163), where its tiles fill at least 80% of the SMs' slots (M=256 N=24576: 192 tiles, lost).
     scored.append((wider_balance, MosaicGemmConfig(
         tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n)))
+    # 128x128 tiles with two K blocks per step (each warpgroup's second wgmma overlaps the promotion of its first):
+    # half the tile, so fewer wasted slots where 128x256 tiles leave many of their last wave empty (session 4,
+    # M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Three stages of 2 x 32 KiB leave room for 16-column epilogue stores
+    # only. Only here: below 80%, the one-block schedule next measured faster (M=256 N=24576: 84.8 vs 87.1 us).
     scored.append((_SPEED_128X128_K2 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
         tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
         epi_tile_n=16)))

@@ -404,7 +404,8 @@ def test_default_config_follows_the_measurements():
     config = pick(m, n, k)
     assert (config.num_compute_wgs, config.tile_m, config.tile_n, config.cluster_dim) == (3, 192, 128, Dim.N), (m, n)
   for m, n, k in [(1024, 24576, 7168), (1024, 7168, 18432)]:
-    assert (pick(m, n, k).num_compute_wgs, pick(m, n, k).tile_n, pick(m, n, k).wg_split) == (2, 256, Dim.N), (m, n)
+    config = pick(m, n, k)
+    assert (config.num_compute_wgs, config.tile_n, config.wg_split) == (2, 256, Dim.N), (m, n)
   qwen3_qkv = pick(1024, 10240, 5120)  # 320 tiles of 128x256 leave 76 of 396 slots empty
   assert (qwen3_qkv.tile_n, qwen3_qkv.k_blocks_per_step, qwen3_qkv.epi_tile_n) == (128, 2, 16)
   _lower(1024, 10240, 5120, qwen3_qkv)
