@@ -12,8 +12,10 @@
 #                 (BENCH_ARGS overrides DeepSeek-V3 q_proj_no_lora and dense_down and Qwen3-32B qkv_proj x M=1..4096;
 #                 7.5 min alone on the GPU on 2026-11-29; --time_budget_s=490 stops it between shapes if slower; the
 #                 quantizer has its own phase, bench-quant)
-#   bench-gemm-all  the GEMM part of bench at every M of shapes.json's m_decode and m_prefill (1..8192), one run
-#                 (BENCH_ALL_ARGS overrides; stops between shapes at 520 s: use PHASE_TIMEOUT=590; not yet timed)
+#   bench-gemm-decode   the GEMM part of bench at every M of shapes.json's m_decode (1..256), one run
+#   bench-gemm-prefill  the same at every M of m_prefill (512..8192), one run. Together they are the issues'
+#                 benchmark; all 14 M in one run would need about 12 minutes, more than a device call (BENCH_ALL_ARGS
+#                 overrides the models; each stops between shapes at 520 s: use PHASE_TIMEOUT=590)
 #   bench-quant   python -m jaxfp8 bench_quant (~2 min)
 #   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json (TUNE_ARGS overrides)
@@ -95,10 +97,10 @@ for phase in "${phases[@]}"; do
     bench) run bench python3 -m jaxfp8 bench ${BENCH_ARGS:---ops=gemm,linear \
              --models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj --m=1,16,64,256,1024,4096 \
              --time_budget_s=490} --out="$out/bench_h200.json" ;;
-    bench-gemm-all) run bench_gemm_all python3 -m jaxfp8 bench ${BENCH_ALL_ARGS:---ops=gemm \
-             --models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj \
-             --m=1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192 --time_budget_s=520} \
-             --out="$out/bench_gemm_all_h200.json" ;;
+    bench-gemm-decode) run bench_gemm_decode python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:---models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj} \
+             --m=1,2,4,8,16,32,64,128,256 --time_budget_s=520 --out="$out/bench_gemm_decode_h200.json" ;;
+    bench-gemm-prefill) run bench_gemm_prefill python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:---models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj} \
+             --m=512,1024,2048,4096,8192 --time_budget_s=520 --out="$out/bench_gemm_prefill_h200.json" ;;
     bench-quant) run bench_quant python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
     notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb ;;
