@@ -500,10 +500,13 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
         tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
         epi_tile_n=16)))
   else:
-    # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape); when those leave SMs idle too,
-    # 64x128 tiles split in N (twice the tiles).
-    scored.append((_SPEED_128X128 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
-        tile_m=128, tile_n=128, max_concurrent_steps=6, num_compute_wgs=2, wg_split=Dim.M, epi_tile_n=epi_tile_n)))
+    # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), two K blocks per step; when those
+    # leave SMs idle too, 64x128 tiles split in N (twice the tiles). Two K blocks beat one here on all three weights
+    # timed (session 7, M=256: 78.9 vs 84.3 us at N=24576 K=7168, 58.8 vs 65.5 at N=7168 K=18432, 35.3 vs 39.6 at
+    # N=10240 K=5120; M=128 likewise), reversing session 4's single M=256 reading (87.1 vs 84.8).
+    scored.append((_SPEED_128X128_K2 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
+        tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
+        epi_tile_n=16)))
     scored.append((_SPEED_64X128 * _balance(pl.cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
                    MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
                                     wg_split=Dim.N, epi_tile_n=epi_tile_n)))
@@ -544,6 +547,15 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
     tile_n = 128 if m <= 16 or n // 128 >= num_sms // 2 else 64
     config = MosaicGemmConfig(
         tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
+        persistent=False, epi_tile_n=epi_tile_n,
+    )
+  elif m <= 2 * WGMMA_M and _balance(pl.cdiv(m, WGMMA_M) * pl.cdiv(n, 128), num_sms) >= 0.8:
+    # M = 65..128: the decode schedule over two 64-row tiles still streams the weight faster than any two-warpgroup
+    # tile can compute it, where its CTAs (one per 64x128 tile) fill most of a wave (session 7, M=128: N=7168
+    # K=18432, 112 CTAs: 40.2 us vs 55.2 for 128x128 tiles; N=24576 K=7168, 384 CTAs: 56.2 vs 57.6). N=10240 gives
+    # 160 CTAs, a second wave of 28: 25.1 us vs 20.4 for 128x128 tiles, so it goes to the scored schedules.
+    config = MosaicGemmConfig(
+        tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
         persistent=False, epi_tile_n=epi_tile_n,
     )
   else:

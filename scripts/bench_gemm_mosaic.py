@@ -1,7 +1,7 @@
 """GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (pallas_kernels/gemm_mosaic.py).
 
   python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick] [--shapes N,K;N,K] [--m 1,16,64]
-                                              [--only decode|medium|prefill|wg3|wg3_tune|cols|choices] [--unscaled]
+                                              [--only decode|medium|prefill|wg3|wg3_tune|small_prefill|cols|choices] [--unscaled]
 
 (a) every candidate config against an f32 XLA computation of SPEC 2 at a few odd shapes (partial row tiles, bias);
 (b) CUPTI kernel times (jaxfp8.timing.median_kernel_us) at M in {1, 16, 64, 256, 1024, 4096} for (N, K) =
@@ -109,8 +109,21 @@ THREE_WGS_TUNE = {
     "p128x256_n_s4_clN": C(tile_m=128, tile_n=256, max_concurrent_steps=4, wg_split=Dim.N, cluster_dim=Dim.N),
     "p128x256_n_s4_clM": PREFILL["p128x256_n_s4_clM"],
 }
-GROUPS = {"decode": DECODE, "medium": MEDIUM, "prefill": PREFILL, "wg3": THREE_WGS, "wg3_tune": THREE_WGS_TUNE}
-CANDIDATES = {**DECODE, **MEDIUM, **PREFILL, **THREE_WGS, **THREE_WGS_TUNE}
+# M = 128-256, where the weight read and the math take about as long (session 7: Mosaic 0.83-0.88x torch blockwise
+# at M=128 on q_proj and Qwen3 qkv, 0.86-0.88x at M=256): the decode schedule (one consumer warpgroup, a CTA per
+# tile, 64-row tiles so that M=128 has two row tiles) and one warpgroup over 128 rows, beside the medium schedules.
+SMALL_PREFILL = {
+    **MEDIUM,
+    "d64x128_k2_s4": DECODE["d64x128_k2_s4"],
+    "d64x64_k2_s4": DECODE["d64x64_k2_s4"],
+    "d64x128_k1_s8": DECODE["d64x128_k1_s8"],
+    "s128x128_1wg_k1_s4": C(tile_m=128, tile_n=128, max_concurrent_steps=4, num_compute_wgs=1, persistent=False),
+    "p128x128_m_k2_s3": PREFILL["p128x128_m_k2_s3"],
+    "p128x128_m_s5": PREFILL["p128x128_m_s5"],
+}
+GROUPS = {"decode": DECODE, "medium": MEDIUM, "prefill": PREFILL, "wg3": THREE_WGS, "wg3_tune": THREE_WGS_TUNE,
+          "small_prefill": SMALL_PREFILL}
+CANDIDATES = {**DECODE, **MEDIUM, **PREFILL, **THREE_WGS, **THREE_WGS_TUNE, **SMALL_PREFILL}
 
 
 def balanced_widths(n: int, row_tiles: int = 1, num_sms: int = 132, count: int = 3, min_width: int = 32,

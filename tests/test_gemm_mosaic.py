@@ -411,6 +411,16 @@ def test_default_config_follows_the_measurements():
   _lower(1024, 10240, 5120, qwen3_qkv)
   # M=256: 128x128 tiles for N=24576 and 7168; 128 tiles of 128x160 for N=10240 (32.7 vs 44.9 us for 64x128).
   assert [pick(256, n, k).tile_n for n, k in [(24576, 7168), (7168, 18432), (10240, 5120)]] == [128, 128, 160]
+  # Session 7: the 128x128 tiles take two K blocks per step (M=256 on N=24576 and 7168, M=128 on N=10240); at M=128
+  # the decode schedule, two 64-row tiles per column, where its CTAs fill most of a wave (N=24576 and 7168).
+  for m, n, k in [(256, 24576, 7168), (256, 7168, 18432), (128, 10240, 5120)]:
+    config = pick(m, n, k)
+    assert (config.tile_m, config.tile_n, config.k_blocks_per_step, config.num_compute_wgs) == (128, 128, 2, 2), m
+  for n, k in [(24576, 7168), (7168, 18432)]:
+    config = pick(128, n, k)
+    assert (config.tile_m, config.tile_n, config.num_compute_wgs, config.persistent) == (64, 128, 1, False), n
+  _lower(128, 7168, 18432, pick(128, 7168, 18432))
+  _lower(100, 24576, 7168, pick(100, 24576, 7168))
 
 
 def test_heuristic_lowers_for_model_shapes():
