@@ -50,7 +50,8 @@ so callers pass the quantizer's 64-row buffers with `out_rows=M` (jaxfp8.linear 
 on the wgmma M side) would not read fewer bytes, and would need a transposed epilogue. The small-M configs use a
 64-row tile, one consumer warpgroup, column tiles narrow enough to spread the weight over the SMs, two K blocks per
 pipeline step and one CTA per tile. (Widths that balance N over all 132 SMs, e.g. 128 tiles of 80 columns for
-N=10240, measured no faster than 80 tiles of 128: the weight stream, not the SM count, sets the time.)
+N=10240, measured no faster than 80 tiles of 128: the weight stream, not the SM count, sets the time.) The same
+schedule serves M = 65..128 as two row tiles where its CTAs fill most of a wave (`default_config`).
 """
 
 from __future__ import annotations
@@ -466,7 +467,7 @@ def _row_fill(m: int, tile_m: int) -> float:
 
 
 # Speed per unit of work of each prefill schedule relative to 128x256 tiles on two consumer warpgroups, at equal SM
-# occupancy (H200, CUPTI; benchmarks/README.md, sessions 3-6):
+# occupancy (H200, CUPTI; benchmarks/README.md, sessions 3-7):
 # 192x128, 3 consumer WGs, CTA pairs sharing A: 1067 vs 1131 us at equal occupancy (M=4096 N=24576 K=7168), i.e.
 # 1.06; taken as 1.09 because its partly empty last waves cost less than whole ones (M=4096 N=7168 K=18432, which
 # the 1.06 rates level with 128x256: 824.5 vs 846.7 us).
@@ -529,7 +530,7 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
 
 
 def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int | None = None) -> MosaicGemmConfig:
-  """Heuristic config by problem size, from the H200 sweeps of scripts/bench_gemm_mosaic.py (2026-11-29 sessions 3-6,
+  """Heuristic config by problem size, from the H200 sweeps of scripts/bench_gemm_mosaic.py (2026-11-29 sessions 3-7,
   benchmarks/mosaic_sweep_h200_*.json)."""
   num_sms = num_sms or _platform.num_sms()
   epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
