@@ -553,8 +553,9 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
   elif m <= 2 * WGMMA_M and _balance(pl.cdiv(m, WGMMA_M) * pl.cdiv(n, 128), num_sms) >= 0.8:
     # M = 65..128: the decode schedule over two 64-row tiles still streams the weight faster than any two-warpgroup
     # tile can compute it, where its CTAs (one per 64x128 tile) fill most of a wave (session 7, M=128: N=7168
-    # K=18432, 112 CTAs: 40.2 us vs 55.2 for 128x128 tiles; N=24576 K=7168, 384 CTAs: 56.2 vs 57.6). N=10240 gives
-    # 160 CTAs, a second wave of 28: 25.1 us vs 20.4 for 128x128 tiles, so it goes to the scored schedules.
+    # K=18432, 112 CTAs: 40.2 us, the best two-warpgroup schedule 51.2; N=24576 K=7168, 384 CTAs: 56.2 vs 57.6 for
+    # 128x128 tiles with two K blocks per step). N=10240 gives 160 CTAs, a second wave of 28: 25.1 us vs 20.4 for
+    # those 128x128 tiles, so it goes to the scored schedules.
     config = MosaicGemmConfig(
         tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
         persistent=False, epi_tile_n=epi_tile_n,

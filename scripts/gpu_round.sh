@@ -73,6 +73,7 @@ wait_bg() {
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
 } > "$out/env.log" 2>&1
 pytest_args=(-q -rs -p no:cacheprovider)
+gemm_models=--models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj
 # tests-all: one line per test as it finishes (-v; with -q they cancel out), so a run cut by its time limit still
 # names its failures; short tracebacks at the end.
 parallel_args=(-v --tb=short -rfs -p no:cacheprovider)
@@ -97,9 +98,9 @@ for phase in "${phases[@]}"; do
     bench) run bench python3 -m jaxfp8 bench ${BENCH_ARGS:---ops=gemm,linear \
              --models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj --m=1,16,64,256,1024,4096 \
              --time_budget_s=490} --out="$out/bench_h200.json" ;;
-    bench-gemm-decode) run bench_gemm_decode python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:---models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj} \
+    bench-gemm-decode) run bench_gemm_decode python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:-$gemm_models} \
              --m=1,2,4,8,16,32,64,128,256 --time_budget_s=520 --out="$out/bench_gemm_decode_h200.json" ;;
-    bench-gemm-prefill) run bench_gemm_prefill python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:---models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj} \
+    bench-gemm-prefill) run bench_gemm_prefill python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:-$gemm_models} \
              --m=512,1024,2048,4096,8192 --time_budget_s=520 --out="$out/bench_gemm_prefill_h200.json" ;;
     bench-quant) run bench_quant python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
