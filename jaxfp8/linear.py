@@ -498,8 +498,10 @@ def cache_info() -> CacheInfo:
 
 
 def cache_clear() -> None:
-  """Drops every cached executable and zeroes the statistics."""
+  """Drops every cached executable (the row buckets' and the row pad / slice glue's) and zeroes the statistics."""
   _CACHE.clear()
+  _rows_to_bucket_jit.clear_cache()
+  _rows_from_bucket_jit.clear_cache()
 
 
 def _signature(a):
