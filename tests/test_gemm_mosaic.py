@@ -496,7 +496,9 @@ GPU_SHAPES = [(24576, 7168), (7168, 2048), (1536, 7168), (3072, 1536), (4096, 51
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 16, 64, 200, 1024, 4096])  # every kind of default config (Qwen3 qkv M=1024: k2)
+# Every kind of default config: decode, the decode schedule over two row tiles (M=100 on N=24576 and 7168), 128x128
+# tiles with two K blocks (M=200; Qwen3 qkv M=1024), 128x256, three warpgroups.
+@pytest.mark.parametrize("m", [1, 16, 64, 100, 200, 1024, 4096])
 def test_gpu_default_config_model_shapes(n, k, m):
   if m * n * k > 4096 * 24576 * 7168:
     pytest.skip("larger than the prefill benchmark shape")
