@@ -486,6 +486,15 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   wide_tiles = pl.cdiv(m, 128) * n_blocks  # 128x128
   fill_128 = _row_fill(m, 128)
   scored: list[tuple[float, MosaicGemmConfig]] = []
+  # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), two K blocks per step (each
+  # warpgroup's second wgmma overlaps the promotion of its first); three stages of 2 x 32 KiB leave room for
+  # 16-column epilogue stores only. Half the 128x256 tile, so fewer wasted slots where those leave many of their last
+  # wave empty (session 4, M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Two K blocks beat one on all three weights
+  # timed (session 7, M=256: 78.9 vs 84.3 us at N=24576 K=7168, 58.8 vs 65.5 at N=7168 K=18432, 35.3 vs 39.6 at
+  # N=10240 K=5120; M=128 likewise), reversing session 4's single M=256 reading (87.1 vs 84.8).
+  two_block = (_SPEED_128X128_K2 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
+      tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
+      epi_tile_n=16))
   wider_balance = _balance(pl.cdiv(m, 128) * pl.cdiv(n, 256), num_sms) * fill_128
   if wider_balance >= 0.8:
     # 128x256 tiles, the two consumer warpgroups side by side in N (128x128 each), on a persistent grid: the fastest
@@ -493,21 +502,10 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
     # K=18432: 1275 vs 1163), where its tiles fill at least 80% of the SMs' slots (M=256 N=24576: 192 tiles, lost).
     scored.append((wider_balance, MosaicGemmConfig(
         tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n)))
-    # 128x128 tiles with two K blocks per step (each warpgroup's second wgmma overlaps the promotion of its first):
-    # half the tile, so fewer wasted slots where 128x256 tiles leave many of their last wave empty (session 4,
-    # M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Three stages of 2 x 32 KiB leave room for 16-column epilogue stores
-    # only. Only here: below 80%, the one-block schedule next measured faster (M=256 N=24576: 84.8 vs 87.1 us).
-    scored.append((_SPEED_128X128_K2 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
-        tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
-        epi_tile_n=16)))
+    scored.append(two_block)
   else:
-    # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), two K blocks per step; when those
-    # leave SMs idle too, 64x128 tiles split in N (twice the tiles). Two K blocks beat one here on all three weights
-    # timed (session 7, M=256: 78.9 vs 84.3 us at N=24576 K=7168, 58.8 vs 65.5 at N=7168 K=18432, 35.3 vs 39.6 at
-    # N=10240 K=5120; M=128 likewise), reversing session 4's single M=256 reading (87.1 vs 84.8).
-    scored.append((_SPEED_128X128_K2 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
-        tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
-        epi_tile_n=16)))
+    # When the 128x128 tiles leave SMs idle too: 64x128 tiles split in N (twice the tiles).
+    scored.append(two_block)
     scored.append((_SPEED_64X128 * _balance(pl.cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
                    MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
                                     wg_split=Dim.N, epi_tile_n=epi_tile_n)))
@@ -546,22 +544,22 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
     # (128-wide tiles load the A tile half as often); jaxfp8.linear hands over 64-row buffers instead, and
     # block_fp8_matmul chooses by the rows it reads, so they get the M=64 choice.
     tile_n = 128 if m <= 16 or n // 128 >= num_sms // 2 else 64
-    config = MosaicGemmConfig(
-        tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
-        persistent=False, epi_tile_n=epi_tile_n,
-    )
   elif m <= 2 * WGMMA_M and _balance(pl.cdiv(m, WGMMA_M) * pl.cdiv(n, 128), num_sms) >= 0.8:
     # M = 65..128: the decode schedule over two 64-row tiles still streams the weight faster than any two-warpgroup
     # tile can compute it, where its CTAs (one per 64x128 tile) fill most of a wave (session 7, M=128: N=7168
     # K=18432, 112 CTAs: 40.2 us, the best two-warpgroup schedule 51.2; N=24576 K=7168, 384 CTAs: 56.2 vs 57.6 for
     # 128x128 tiles with two K blocks per step). N=10240 gives 160 CTAs, a second wave of 28: 25.1 us vs 20.4 for
     # those 128x128 tiles, so it goes to the scored schedules.
+    tile_n = 128
+  else:
+    tile_n = None  # the scored prefill schedules
+  if tile_n is None:
+    config = max(prefill_candidates(m, n, num_sms, epi_tile_n), key=lambda sc: sc[0])[1]  # the first of equals
+  else:
     config = MosaicGemmConfig(
-        tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
+        tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
         persistent=False, epi_tile_n=epi_tile_n,
     )
-  else:
-    config = max(prefill_candidates(m, n, num_sms, epi_tile_n), key=lambda sc: sc[0])[1]  # the first of equals
   return _fit_smem(config, out_dtype, pl.cdiv(k // BLOCK, config.k_blocks_per_step))
 
 
