@@ -2,26 +2,24 @@
 
   python scripts/bench_weight_read.py OUT.json [--shapes "N,K;N,K"]
 
-The issue's floor is weight bytes / 4.3 TB/s (H200 peak). A whole-weight reduction in XLA (one fused reduce kernel,
-the weight read once as 32-bit words, nothing written but K/4 words) shows what a streaming kernel actually reaches on
-each weight, fixed costs (ramp-up, the tail) included. CUPTI kernel times, rotating over enough weight copies that none
-is read from L2.
+The issues' floor is weight bytes / 4.3 TB/s (`jaxfp8.bench_gemm.HBM_BYTES_PER_S`). A whole-weight reduction in
+XLA (one fused reduce kernel reading the weight once as 32-bit words and writing only its row or column sums) shows
+what a streaming kernel actually reaches on each weight, fixed costs (ramp-up, the tail) included. CUPTI kernel
+times, rotating over as many weight copies as the GEMM benchmark (`rotation_sets`), so that none is read from L2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import jax
 import jax.numpy as jnp
 
 from jaxfp8 import timing
+from jaxfp8.bench_gemm import HBM_BYTES_PER_S, rotation_sets
 
-PEAK_BYTES_PER_S = 4.3e12
-L2_BYTES = 60 << 20
 DEFAULT_SHAPES = [(24576, 7168), (7168, 18432), (10240, 5120), (7168, 2048), (5120, 25600)]
 
 
@@ -42,13 +40,12 @@ def main(argv: list[str]) -> int:
   rows = []
   for n, k in shapes:
     weight_bytes = n * k
-    copies = max(2, math.ceil(2 * L2_BYTES / weight_bytes))
-    keys = jax.random.split(jax.random.key(n + k), copies)
+    keys = jax.random.split(jax.random.key(n + k), rotation_sets(weight_bytes, 0))
     words = [(jax.random.bits(key, (n, k // 4), jnp.uint32),) for key in keys]
     by_reader = {name: timing.median_kernel_us(fn, words, iterations=40) for name, fn in READERS.items()}
     best = min(by_reader, key=by_reader.get)
     us = by_reader[best]
-    floor_us = weight_bytes / PEAK_BYTES_PER_S * 1e6
+    floor_us = weight_bytes / HBM_BYTES_PER_S * 1e6
     row = dict(n=n, k=k, weight_mb=weight_bytes / 1e6, read_us=us, reader=best, us_by_reader=by_reader,
                floor_us=floor_us, read_over_floor=us / floor_us, read_tb_per_s=weight_bytes / us / 1e6,
                kernels=timing.kernel_names(READERS[best], words[0]))

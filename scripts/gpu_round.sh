@@ -73,7 +73,7 @@ wait_bg() {
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
 } > "$out/env.log" 2>&1
 pytest_args=(-q -rs -p no:cacheprovider)
-gemm_models=--models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj
+gemm_models=--models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj  # the benchmarks' shapes
 # tests-all: one line per test as it finishes (-v; with -q they cancel out), so a run cut by its time limit still
 # names its failures; short tracebacks at the end.
 parallel_args=(-v --tb=short -rfs -p no:cacheprovider)
@@ -95,8 +95,7 @@ for phase in "${phases[@]}"; do
                   "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" ;;
     tests-linear) run tests_linear python3 -m pytest tests/test_linear.py tests/test_weights.py tests/test_nn.py \
                     tests/test_sharding.py "${pytest_args[@]}" --junitxml="$out/tests_linear.junit.xml" ;;
-    bench) run bench python3 -m jaxfp8 bench ${BENCH_ARGS:---ops=gemm,linear \
-             --models=deepseek_v3.q_proj_no_lora,deepseek_v3.dense_down,qwen3_32b.qkv_proj --m=1,16,64,256,1024,4096 \
+    bench) run bench python3 -m jaxfp8 bench ${BENCH_ARGS:---ops=gemm,linear $gemm_models --m=1,16,64,256,1024,4096 \
              --time_budget_s=490} --out="$out/bench_h200.json" ;;
     bench-gemm-decode) run bench_gemm_decode python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:-$gemm_models} \
              --m=1,2,4,8,16,32,64,128,256 --time_budget_s=520 --out="$out/bench_gemm_decode_h200.json" ;;
