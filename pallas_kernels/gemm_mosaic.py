@@ -473,6 +473,11 @@ def _row_fill(m: int, tile_m: int) -> float:
 # the 1.06 rates level with 128x256: 824.5 vs 846.7 us).
 _SPEED_THREE_WGS = 1.09
 _SPEED_128X128_K2 = 1 / 1.03  # 128x128, 2 K blocks per step (1.5% slower per FLOP at M=4096, charged 3%)
+# The same where the 128x256 tiles would all run in one wave: 110.2 vs 124.2 us for 128x256 at M=512 N=7168 K=18432
+# (112 wide tiles; session 8; session 6 saw 111.0 vs 124.9), though both fill 85% of the slots. One 128x256 tile per
+# CTA leaves nothing to overlap, and each of its warpgroups waits for one wgmma before promoting it, where two K
+# blocks per step keep a second wgmma running through the promotion.
+_SPEED_128X128_K2_ONE_WAVE = 1.1
 _SPEED_128X128 = 0.935  # 128x128, 1 K block per step (1174 vs 1256 TFLOP/s at M=4096 N=24576 K=7168)
 _SPEED_64X128 = 0.8 * _SPEED_128X128  # 64x128 split in N (a guess from session 3, never contradicted)
 _SPEED_COLUMNS = 0.77 * _SPEED_128X128  # 128x160 scaled per column, vs 128x128 tiles (M=512 N=10240 K=5120)
@@ -502,6 +507,8 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
     # K=18432: 1275 vs 1163), where its tiles fill at least 80% of the SMs' slots (M=256 N=24576: 192 tiles, lost).
     scored.append((wider_balance, MosaicGemmConfig(
         tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n)))
+    if pl.cdiv(m, 128) * pl.cdiv(n, 256) <= num_sms:  # the 128x256 tiles run in one wave
+      two_block = (two_block[0] * _SPEED_128X128_K2_ONE_WAVE / _SPEED_128X128_K2, two_block[1])
     scored.append(two_block)
   else:
     # When the 128x128 tiles leave SMs idle too: 64x128 tiles split in N (twice the tiles).

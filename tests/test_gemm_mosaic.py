@@ -406,6 +406,11 @@ def test_default_config_follows_the_measurements():
   for m, n, k in [(1024, 24576, 7168), (1024, 7168, 18432)]:
     config = pick(m, n, k)
     assert (config.num_compute_wgs, config.tile_n, config.wg_split) == (2, 256, Dim.N), (m, n)
+  # Session 8: where the 128x256 tiles run in one wave, 128x128 tiles with two K blocks per step instead (M=512
+  # N=7168 K=18432: 112 wide tiles; 110.2 vs 124.2 us); with more than a wave of them (N=24576) 128x256 stays.
+  config = pick(512, 7168, 18432)
+  assert (config.tile_m, config.tile_n, config.k_blocks_per_step, config.num_compute_wgs) == (128, 128, 2, 2)
+  assert (pick(512, 24576, 7168).tile_n, pick(1024, 7168, 18432).tile_n) == (256, 256)
   qwen3_qkv = pick(1024, 10240, 5120)  # 320 tiles of 128x256 leave 76 of 396 slots empty
   assert (qwen3_qkv.tile_n, qwen3_qkv.k_blocks_per_step, qwen3_qkv.epi_tile_n) == (128, 2, 16)
   _lower(1024, 10240, 5120, qwen3_qkv)
