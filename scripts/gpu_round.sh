@@ -6,7 +6,8 @@
 #                 (TEST_WORKERS, default 4, and 2 more; the image has pytest-xdist): compiling is the slow part.
 #                 2026-11-29 on an H200 with TEST_WORKERS=8: GEMM group 3 min, quant+linear group 3.5 min
 #   tests-quant   tests/test_quant.py + tests/test_quant_mosaic.py natively (~4-5 min)
-#   tests-gemm    GPU-marked GEMM tests, Triton and Mosaic (> 4 min)
+#   tests-gemm    GPU-marked GEMM tests, Triton and Mosaic, TEST_WORKERS (default 4) xdist workers (serially
+#                 they passed 330 s at 52% in session 8; the Mosaic file alone took 150 s with 4 workers)
 #   tests-linear  linear, weights, nn, sharding tests
 #   bench         python -m jaxfp8 bench: GEMM and linear with every baseline in one run, the committed results
 #                 (BENCH_ARGS overrides DeepSeek-V3 q_proj_no_lora and dense_down and Qwen3-32B qkv_proj x M=1..4096;
@@ -92,7 +93,7 @@ for phase in "${phases[@]}"; do
     tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \
                    --junitxml="$out/tests_quant.junit.xml" ;;
     tests-gemm) run tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
-                  "${pytest_args[@]}" --junitxml="$out/tests_gemm.junit.xml" ;;
+                  -n "${TEST_WORKERS:-4}" "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml" ;;
     tests-linear) run tests_linear python3 -m pytest tests/test_linear.py tests/test_weights.py tests/test_nn.py \
                     tests/test_sharding.py "${pytest_args[@]}" --junitxml="$out/tests_linear.junit.xml" ;;
     bench) run bench python3 -m jaxfp8 bench ${BENCH_ARGS:---ops=gemm,linear $gemm_models --m=1,16,64,256,1024,4096 \
