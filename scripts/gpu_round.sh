@@ -19,6 +19,9 @@
 #                 overrides the models; each stops between shapes at 520 s: use PHASE_TIMEOUT=590)
 #   bench-quant   python -m jaxfp8 bench_quant (~2 min)
 #   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
+#   ncu-gemm      Nsight Compute, every section, on one call of the Mosaic GEMM and one of cuBLASLt's per-tensor FP8
+#                 GEMM at M=4096 N=24576 K=7168 (scripts/ncu_gemm.py; NCU_ARGS adds ncu options, NCU_SHAPE script
+#                 options): 20 s on an H200 in session 8 (benchmarks/ncu_gemm_h200_full.log)
 #   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json (TUNE_ARGS overrides)
 #   bench-gemm    python -m jaxfp8 bench_gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set BENCH_GEMM_ARGS)
 #   bench-linear  python -m jaxfp8 bench_linear
@@ -122,6 +125,8 @@ for phase in "${phases[@]}"; do
       start_bg determinism python3 scripts/determinism.py "$out/determinism_h200.json"
       OUT=$out SANITIZE_JOBS=${SANITIZE_JOBS:-3} start_bg sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-}
       wait_bg ;;
+    ncu-gemm) run ncu_gemm ncu --profile-from-start off --clock-control none --set full ${NCU_ARGS:-} \
+                python3 scripts/ncu_gemm.py ${NCU_SHAPE:-} ;;
     reliability-determinism) run determinism python3 scripts/determinism.py "$out/determinism_h200.json" ;;
     reliability-sanitize) OUT=$out run sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-} ;;
     *) echo "unknown phase $phase"; status=2 ;;
