@@ -498,22 +498,23 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   # wave empty (session 4, M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Two K blocks beat one on all three weights
   # timed (session 7, M=256: 78.9 vs 84.3 us at N=24576 K=7168, 58.8 vs 65.5 at N=7168 K=18432, 35.3 vs 39.6 at
   # N=10240 K=5120; M=128 likewise), reversing session 4's single M=256 reading (87.1 vs 84.8).
-  two_block = (_SPEED_128X128_K2 * _balance(wide_tiles, num_sms) * fill_128, MosaicGemmConfig(
+  two_block_config = MosaicGemmConfig(
       tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
-      epi_tile_n=16))
-  wider_balance = _balance(pl.cdiv(m, 128) * pl.cdiv(n, 256), num_sms) * fill_128
+      epi_tile_n=16)
+  two_block_occupancy = _balance(wide_tiles, num_sms) * fill_128
+  wider_tiles = pl.cdiv(m, 128) * pl.cdiv(n, 256)  # 128x256
+  wider_balance = _balance(wider_tiles, num_sms) * fill_128
   if wider_balance >= 0.8:
     # 128x256 tiles, the two consumer warpgroups side by side in N (128x128 each), on a persistent grid: the fastest
     # two-warpgroup schedule at M >= 1024 (M=4096 N=24576 K=7168: 1256 TFLOP/s vs 1174 for 128x128 tiles; N=7168
     # K=18432: 1275 vs 1163), where its tiles fill at least 80% of the SMs' slots (M=256 N=24576: 192 tiles, lost).
     scored.append((wider_balance, MosaicGemmConfig(
         tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n)))
-    if pl.cdiv(m, 128) * pl.cdiv(n, 256) <= num_sms:  # the 128x256 tiles run in one wave
-      two_block = (two_block[0] * _SPEED_128X128_K2_ONE_WAVE / _SPEED_128X128_K2, two_block[1])
-    scored.append(two_block)
+    speed = _SPEED_128X128_K2_ONE_WAVE if wider_tiles <= num_sms else _SPEED_128X128_K2
+    scored.append((speed * two_block_occupancy, two_block_config))
   else:
     # When the 128x128 tiles leave SMs idle too: 64x128 tiles split in N (twice the tiles).
-    scored.append(two_block)
+    scored.append((_SPEED_128X128_K2 * two_block_occupancy, two_block_config))
     scored.append((_SPEED_64X128 * _balance(pl.cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
                    MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
                                     wg_split=Dim.N, epi_tile_n=epi_tile_n)))
