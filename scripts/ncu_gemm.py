@@ -23,9 +23,9 @@ from pallas_kernels import gemm_mosaic as gm
 def _cudart():
   """libcudart, for cudaProfilerStart/Stop: the system's or the one JAX's CUDA plugin brought."""
   names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "/usr/local/cuda/lib64/libcudart.so"]
-  for site in {os.path.dirname(os.path.dirname(jax.__file__))}:
-    names += sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "lib", "libcudart.so*")))
-    names += sorted(glob.glob(os.path.join(site, "nvidia", "cuda_runtime", "lib", "libcudart.so*")))
+  site_packages = os.path.dirname(os.path.dirname(jax.__file__))
+  for pattern in ("cu*", "cuda_runtime"):
+    names += sorted(glob.glob(os.path.join(site_packages, "nvidia", pattern, "lib", "libcudart.so*")))
   for name in names:
     try:
       return ctypes.CDLL(name)
