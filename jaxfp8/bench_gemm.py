@@ -124,7 +124,8 @@ def sample_reference(a_q, b_q, a_s_col, b_s, block_size, rows: np.ndarray, col_b
 
 # ---- contenders --------------------------------------------------------------------------------------------------
 
-def _jax_contender(name: str, block_size: tuple[int, int], out_rows: int | None = None) -> Callable:
+def jax_contender(name: str, block_size: tuple[int, int], out_rows: int | None = None) -> Callable:
+  """The jitted JAX contender `name` as the benchmark times it: f(a_q, b_q, a_s_col, b_s) -> (M, N) bf16."""
   if name in ("triton", "mosaic", "xla"):
     f = functools.partial(gemm.w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True,
                           out_dtype=jnp.bfloat16, implementation=name, interpret=False, out_rows=out_rows)
@@ -202,7 +203,7 @@ def run(
       torch_mm = _TorchScaledMM()
     except ImportError:
       log("torch is not importable: torch_scaled_mm skipped")
-  jax_fns = {name: _jax_contender(name, block_size) for name in implementations if name != "torch_scaled_mm"}
+  jax_fns = {name: jax_contender(name, block_size) for name in implementations if name != "torch_scaled_mm"}
   rows_out = []
   log(f"{'shape':<26} {'M':>5} {'N':>6} {'K':>6} {'contender':<16} {'us':>10} {'TFLOP/s':>8} {'x floor':>8} "
       f"{'rel err':>9}")
@@ -246,7 +247,7 @@ def run(
           continue
         fn, args, note = jax_fns[name], arg_sets, None
         if name == "mosaic" and m < gemm.MOSAIC_DECODE_ROWS:
-          fn = _jax_contender(name, block_size, out_rows=m)
+          fn = jax_contender(name, block_size, out_rows=m)
           args = [decode_tile_buffers(*arg_set) for arg_set in arg_sets]
           note = f"the quantizer's {gemm.MOSAIC_DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
         try:

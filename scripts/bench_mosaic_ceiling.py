@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-from jaxfp8 import timing
-from pallas_kernels import gemm_mosaic as gm
+from jaxfp8 import bench_gemm, timing
 
 
 def main():
@@ -46,17 +45,13 @@ def main():
 
   record("xla_bf16_dot (cuBLAS)", xla_dot)
   # Our FP8 kernel and cuBLASLt's FP8 GEMM (per-tensor, no block scales) on the same shape in the same process.
-  a_q = jax.random.normal(jax.random.key(2), (m, k), jnp.float32).astype(jnp.float8_e4m3fn)
-  b_q = jax.random.normal(jax.random.key(3), (n, k), jnp.float32).astype(jnp.float8_e4m3fn)
-  a_s = jax.random.uniform(jax.random.key(4), (k // 128, m), jnp.float32, 0.5, 2.0)
-  b_s = jax.random.uniform(jax.random.key(5), (n // 128, k // 128), jnp.float32, 0.5, 2.0)
+  a_q, a_s = bench_gemm.make_activation(jax.random.key(2), m, k, 128)
+  b_q, b_s = bench_gemm.make_weight(jax.random.key(3), n, k, (128, 128))
   fp8_rows = {}
-  for name, fn in [("ours fp8 block-scaled (default config)",
-                    jax.jit(lambda x, y: gm.block_fp8_matmul(x, y, a_s, b_s, out_dtype=jnp.bfloat16))),
-                   ("xla fp8 dot, per-tensor (cuBLASLt)",
-                    jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())),
-                                                             preferred_element_type=jnp.bfloat16)))]:
-    us = timing.median_kernel_us(fn, [(a_q, b_q)], iterations=10)
+  for name, contender in [("ours fp8 block-scaled (default config)", "mosaic"),
+                          ("xla fp8 dot, per-tensor (cuBLASLt)", "fp8_per_tensor")]:
+    fn = bench_gemm.jax_contender(contender, (128, 128))
+    us = timing.median_kernel_us(fn, [(a_q, b_q, a_s, b_s)], iterations=10)
     fp8_rows[name] = dict(name=name, us=us, tflops=flops / us / 1e6)
     print(f"{name:60s} {us:9.1f} us {flops / us / 1e6:7.1f} TFLOP/s", flush=True)
   dims = hm.MatmulDimension

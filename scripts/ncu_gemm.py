@@ -15,9 +15,11 @@ import glob
 import os
 
 import jax
-import jax.numpy as jnp
 
+from jaxfp8 import bench_gemm
 from pallas_kernels import gemm_mosaic as gm
+
+BLOCK_SIZE = (128, 128)
 
 
 def _cudart():
@@ -41,19 +43,15 @@ def main():
   parser.add_argument("--k", type=int, default=7168)
   args = parser.parse_args()
   m, n, k = args.m, args.n, args.k
-  a_q = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.float8_e4m3fn)
-  b_q = jax.random.normal(jax.random.key(1), (n, k), jnp.float32).astype(jnp.float8_e4m3fn)
-  a_s = jax.random.uniform(jax.random.key(2), (k // 128, m), jnp.float32, 0.5, 2.0)
-  b_s = jax.random.uniform(jax.random.key(3), (n // 128, k // 128), jnp.float32, 0.5, 2.0)
-  ours = jax.jit(lambda x, y, xs, ys: gm.block_fp8_matmul(x, y, xs, ys, out_dtype=jnp.bfloat16))
-  per_tensor = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())),
-                                                        preferred_element_type=jnp.bfloat16))
+  a_q, a_s = bench_gemm.make_activation(jax.random.key(0), m, k, BLOCK_SIZE[1])
+  b_q, b_s = bench_gemm.make_weight(jax.random.key(1), n, k, BLOCK_SIZE)
+  contenders = [bench_gemm.jax_contender(name, BLOCK_SIZE) for name in ("mosaic", "fp8_per_tensor")]
   print("config:", gm.default_config(m, n, k), flush=True)
-  jax.block_until_ready((ours(a_q, b_q, a_s, b_s), per_tensor(a_q, b_q)))  # compile and warm up
+  jax.block_until_ready([fn(a_q, b_q, a_s, b_s) for fn in contenders])  # compile and warm up
   cudart = _cudart()
   cudart.cudaProfilerStart()
-  jax.block_until_ready(ours(a_q, b_q, a_s, b_s))
-  jax.block_until_ready(per_tensor(a_q, b_q))
+  for fn in contenders:
+    jax.block_until_ready(fn(a_q, b_q, a_s, b_s))
   cudart.cudaProfilerStop()
   print("profiled one call of each", flush=True)
 
