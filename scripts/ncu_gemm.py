@@ -1,4 +1,4 @@
-"""Runs our Mosaic FP8 GEMM and cuBLASLt's per-tensor FP8 GEMM once each inside a CUDA profiler range, for Nsight
+"""Runs our Mosaic FP8 GEMM and cuBLASLt's per-tensor FP8 GEMM (or the --contenders named) once each inside a CUDA profiler range, for Nsight
 Compute's hardware counters (the H200 machines run ncu; see the device notes):
 
   ncu --profile-from-start off --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
@@ -41,11 +41,13 @@ def main():
   parser.add_argument("--m", type=int, default=4096)
   parser.add_argument("--n", type=int, default=24576)
   parser.add_argument("--k", type=int, default=7168)
+  parser.add_argument("--contenders", default="mosaic,fp8_per_tensor",
+                      help="comma-separated jaxfp8.bench_gemm contenders to profile, one call each")
   args = parser.parse_args()
   m, n, k = args.m, args.n, args.k
   a_q, a_s = bench_gemm.make_activation(jax.random.key(0), m, k, BLOCK_SIZE[1])
   b_q, b_s = bench_gemm.make_weight(jax.random.key(1), n, k, BLOCK_SIZE)
-  contenders = [bench_gemm.jax_contender(name, BLOCK_SIZE) for name in ("mosaic", "fp8_per_tensor")]
+  contenders = [bench_gemm.jax_contender(name, BLOCK_SIZE) for name in args.contenders.split(",")]
   print("config:", gm.default_config(m, n, k), flush=True)
   jax.block_until_ready([fn(a_q, b_q, a_s, b_s) for fn in contenders])  # compile and warm up
   cudart = _cudart()
