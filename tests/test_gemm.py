@@ -129,6 +129,21 @@ def test_triton_matches_reference(rng, m, nk, block_size, config, out_dtype, bia
   assert_close(out, problem, out_dtype)
 
 
+# Cases whose column tiles lie inside one weight-scale block (the kernel then holds the tile's row of b_s), with
+# split-K and swap_ab among them, run with the per-K-step b_s load that rows of more than _MAX_HOISTED_GROUPS groups
+# get. The kernel is called directly: the jitted public entry point could serve a cached trace of the other path.
+@pytest.mark.parametrize("case", [0, 3, 6, 12, 14])
+def test_triton_per_step_weight_scale_loads(rng, monkeypatch, case):
+  m, (n, k), block_size, config, out_dtype, bias, column_major = TRITON_CASES[case]
+  problem = make_problem(rng, m, n, k, block_size, column_major=column_major, bias=bias)
+  monkeypatch.setattr(gemm_triton, "_MAX_HOISTED_GROUPS", 1)
+  out = gemm_triton.block_fp8_matmul(
+      jnp.asarray(problem.a_q), jnp.asarray(problem.b_q), jnp.asarray(problem.a_s_arg), jnp.asarray(problem.b_s),
+      None if problem.bias is None else jnp.asarray(problem.bias), block_size=block_size,
+      a_s_column_major=column_major, out_dtype=out_dtype, config=config, interpret=True)
+  assert_close(out, problem, out_dtype)
+
+
 @pytest.mark.parametrize("m, n, k, block_size", [
     (64, *_scaled("q_b_proj", "deepseek_v3", 16), (128, 128)),       # heuristic decode config (swap_ab, split-K)
     (257, *_scaled("shared_expert_down", "deepseek_v3", 16), (128, 128)),  # heuristic 128x128 tiles
