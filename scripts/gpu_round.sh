@@ -27,10 +27,9 @@
 #   bench-linear  python -m jaxfp8 bench_linear
 #   tp            python -m jaxfp8.bench_tp over every visible GPU (needs 2 or more): column- and row-parallel
 #                 DeepSeek-V3 linears checked against one GPU and timed against it (TP_ARGS; stops at 420 s)
-#   fuzz-gpu      tests/test_fuzz.py with JAXFP8_FUZZ_PROFILE=gpu, TEST_WORKERS (default 8) xdist workers: 3.5 min
-#                 beside tests-linear (5 min) on one H200 in session 4, with gemm_xla/gemm_triton/linear at 150/120/100
-#                 examples; the profile asks 300/200/150 again: session 5, 8 workers, gemm_xla (300) still ran at
-#                 420 s while the other 7 had passed (PHASE_TIMEOUT=560, or JAXFP8_FUZZ_GPU_SCALE=0.5 halves it)
+#   fuzz-gpu      tests/test_fuzz.py with JAXFP8_FUZZ_PROFILE=gpu, TEST_WORKERS (default 8) xdist workers: every
+#                 property at its full count (gemm_xla's 300 as six tests of 50, one per block size) in 172 s on one
+#                 H200 (session 9); JAXFP8_FUZZ_GPU_SCALE=0.5 halves the counts
 #   reliability-determinism  scripts/determinism.py: 20 runs of every kernel, bit-identical (not timed yet)
 #   reliability-sanitize     scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/initcheck/synccheck over every
 #                            kernel (slow: set SANITIZE_TOOLS="memcheck" etc. to split it over device calls)
