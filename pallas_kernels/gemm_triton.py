@@ -212,17 +212,32 @@ def _kernel(
   def along_n(v):
     return v[:, None] if config.swap_ab else v[None, :]
 
-  def step(i, acc):
+  def group(i, j):
+    """(first K column, scale group, group-in-K mask or None) of dot j of K step i."""
+    k0 = (first_step + i) * bk + j * dot_k
+    g = _div(k0, gk)
+    return k0, g, (g < num_groups if k_masked else None)
+
+  def activation_scales(i):
+    """The a_s vectors of K step i's dots. A group past the end of K (only in the last step when block_k > gk) loads
+    as 0: its tiles are 0. The index is clamped for the prefetch one step past a split's last step (never used)."""
+    scales = []
     for j in range(dots_per_step):
-      k0 = (first_step + i) * bk + j * dot_k
-      g = _div(k0, gk)
-      if k_masked:
-        k_ok = (k0 + lax.broadcasted_iota(jnp.int32, (dot_k,), 0)) < k
-        g_ok = g < num_groups
-        g_idx = jnp.minimum(g, num_groups - 1)
-      else:
-        k_ok = g_ok = None
-        g_idx = g
+      _, g, g_ok = group(i, j)
+      g_idx = jnp.minimum(g, num_groups - 1)
+      view = a_s_ref.at[g_idx, pl.ds(m0, bm)] if a_s_column_major else a_s_ref.at[pl.ds(m0, bm), g_idx]
+      scales.append(load(view, and_masks(row_ok, g_ok)))
+    return tuple(scales)
+
+  def step(i, carry):
+    # The activation scales were loaded one step ahead, so that their latency overlaps a step's dots instead of
+    # stalling the step that multiplies by them.
+    acc, a_scales = carry
+    next_a_scales = activation_scales(i + 1)
+    for j in range(dots_per_step):
+      k0, g, g_ok = group(i, j)
+      k_ok = (k0 + lax.broadcasted_iota(jnp.int32, (dot_k,), 0)) < k if k_masked else None
+      g_idx = jnp.minimum(g, num_groups - 1) if k_masked else g
       a_mask = and_masks(
           None if row_ok is None else row_ok[:, None], None if k_ok is None else k_ok[None, :])
       b_mask = and_masks(
@@ -234,12 +249,7 @@ def _kernel(
       else:
         part = fp8_group_dot(a_tile, b_tile, fast_accumulation=fast_accumulation)  # (bm, bn)
 
-      # Scales of a group past the end of K (only in the last step when block_k > gk) load as 0: its tiles are 0.
-      if a_s_column_major:
-        a_s_view = a_s_ref.at[g_idx, pl.ds(m0, bm)]
-      else:
-        a_s_view = a_s_ref.at[pl.ds(m0, bm), g_idx]
-      a_scale = load(a_s_view, and_masks(row_ok, g_ok))
+      a_scale = a_scales[j]
       if b_s_uniform:
         if hoist_b_s:
           b_scale = jnp.sum(jnp.where(group_ids == g_idx, b_s_tile_row, 0.0))
@@ -251,10 +261,10 @@ def _kernel(
       else:
         b_scale = load(b_s_ref.at[b_s_rows, g_idx], and_masks(col_ok, g_ok))
         acc = acc + part * along_m(a_scale) * along_n(b_scale)
-    return acc
+    return acc, next_a_scales
 
   acc_shape = (bn, bm) if config.swap_ab else (bm, bn)
-  acc = lax.fori_loop(0, k_steps, step, jnp.zeros(acc_shape, jnp.float32))
+  acc, _ = lax.fori_loop(0, k_steps, step, (jnp.zeros(acc_shape, jnp.float32), activation_scales(0)))
   if config.swap_ab:
     acc = acc.T
 
