@@ -14,6 +14,8 @@ Every relation of block_k to gk is handled the same way:
   * block_k == gk: one dot per step.
   * block_k > gk: block_k // gk dots per step, each with its own group's scale.
 A partial last group of K uses its own scale column; K columns past the end load as zeros.
+The scales stay off the loop's critical path: a program whose column tile lies in one gn block holds that block's
+row of b_s in registers (loaded before the loop), and each step's a_s vectors are loaded one step ahead.
 
 Pallas Triton (JAX 0.11.2) does not mask partial edge blocks, so the refs are whole arrays and every load and store
 of a possibly partial tile is masked (masks are left out statically where a dimension divides evenly).

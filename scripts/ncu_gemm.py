@@ -1,5 +1,5 @@
-"""Runs our Mosaic FP8 GEMM and cuBLASLt's per-tensor FP8 GEMM (or the --contenders named) once each inside a CUDA profiler range, for Nsight
-Compute's hardware counters (the H200 machines run ncu; see the device notes):
+"""Runs our Mosaic FP8 GEMM and cuBLASLt's per-tensor FP8 GEMM (or the --contenders named) once each inside a CUDA
+profiler range, for Nsight Compute's hardware counters (the H200 machines run ncu; see the device notes):
 
   ncu --profile-from-start off --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section WarpStateStats --export $OUT/gemm python3 scripts/ncu_gemm.py \
