@@ -189,3 +189,32 @@ def test_linear_bench_gemm_part_reads_the_plans_padded_buffers():
   whole = np.asarray(parts["linear"](x, w_q, w_s, a_q, a_s), np.float32)
   assert out.shape == whole.shape == (m, n)
   np.testing.assert_allclose(out, whole, rtol=2e-2, atol=1e-2 * np.abs(whole).max())
+
+
+def _run_ab_gemm(out, base_tree, implementation, shapes):
+  command = [sys.executable, "scripts/ab_gemm.py", str(out), "--base_tree", str(base_tree), "--implementation",
+             implementation, "--shapes", shapes, "--interpret", "--reps", "1", "--iterations", "1"]
+  proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(out.read_text())["rows"]
+
+
+def test_ab_gemm_runs_the_base_trees_kernel(tmp_path):
+  # A base tree whose Triton kernel doubles its output: the A/B must run two different kernels in its one process
+  # (not one cached trace twice) and say that their outputs differ, by exactly half of the base's norm.
+  base = tmp_path / "base"
+  (base / "pallas_kernels").mkdir(parents=True)
+  source = (ROOT / "pallas_kernels" / "gemm_triton.py").read_text()
+  doubled = source.replace("  out = acc.astype(o_ref.dtype)", "  out = (2 * acc).astype(o_ref.dtype)")
+  assert doubled != source
+  (base / "pallas_kernels" / "gemm_triton.py").write_text(doubled)
+  [row] = _run_ab_gemm(tmp_path / "ab.json", base, "triton", "5,256,384")
+  assert (row["m"], row["n"], row["k"]) == (5, 256, 384)
+  assert not row["identical"] and row["rel_diff"] == pytest.approx(0.5, abs=1e-6)
+  assert row["base_us"] > 0 and row["new_us"] > 0
+
+
+def test_ab_gemm_of_a_tree_with_itself_is_identical(tmp_path):
+  rows = _run_ab_gemm(tmp_path / "ab.json", ROOT, "mosaic", "64,256,256")
+  assert [(r["identical"], r["rel_diff"]) for r in rows] == [(True, 0.0)]

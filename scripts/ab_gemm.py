@@ -1,0 +1,122 @@
+"""A/B of one GEMM kernel between two source trees, in one process: this tree's pallas_kernels/gemm_<impl>.py
+against a base tree's (e.g. a worktree of main), so that a kernel change is judged by the same machine state.
+
+  git worktree add .wip/wt/base main
+  python scripts/ab_gemm.py OUT.json --base_tree .wip/wt/base --implementation triton --shapes "64,7168,18432;4096,24576,7168"
+
+On the H200 the device copies the working tree only: carry the worktree (`carry=[".wip/wt"]`). Each shape runs both
+kernels with the same config (Mosaic: this tree's `default_config`; Triton: this tree's tuned table or heuristic,
+`jaxfp8.gemm_configs.get_config`), each called directly under its own `jax.jit` (the library's jitted entry point
+would serve one cached trace to both), checks that the outputs agree, then times them interleaved: `--reps` rounds
+of a CUPTI median of `--iterations` calls each, inputs rotated past L2; the best round of each is reported.
+`--interpret` runs the kernels in interpret mode with wall-clock timing, for a CPU smoke run on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfp8 import _platform, bench_gemm, gemm_configs, timing
+from jaxfp8.gemm import _device_kind
+
+BLOCK_SIZE = (128, 128)
+HBM_BYTES_PER_S = 4.3e12  # the weight-streaming floor's bandwidth, as in bench_gemm_mosaic.py
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_module(tree: str, implementation: str, alias: str):
+  """pallas_kernels/gemm_<implementation>.py of `tree`, imported under `alias` (so two trees' copies coexist)."""
+  spec = importlib.util.spec_from_file_location(alias, f"{tree}/pallas_kernels/gemm_{implementation}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[alias] = module  # dataclasses look their module up while the file executes
+  spec.loader.exec_module(module)
+  return module
+
+
+def kernel_fn(module, implementation: str, m: int, n: int, k: int, interpret: bool):
+  """A jitted f(a_q, b_q, a_s_col, b_s) -> bf16 of `module`'s kernel with this tree's config choice for the shape."""
+  if implementation == "mosaic":
+    from pallas_kernels import gemm_mosaic
+    config = module.MosaicGemmConfig(**{f: getattr(gemm_mosaic.default_config(m, n, k), f)
+                                        for f in module.MosaicGemmConfig.__dataclass_fields__})
+    return jax.jit(lambda a, b, s_a, s_b: module.block_fp8_matmul(a, b, s_a, s_b, config=config, interpret=interpret))
+  device_kind = None if interpret else _device_kind()
+  chosen = gemm_configs.get_config(m, n, k, BLOCK_SIZE, device_kind=device_kind, num_sms=_platform.num_sms())
+  config = module.TritonGemmConfig.from_dict(chosen.to_dict())
+  return jax.jit(lambda a, b, s_a, s_b: module.block_fp8_matmul(
+      a, b, s_a, s_b, None, block_size=BLOCK_SIZE, a_s_column_major=True, out_dtype=jnp.bfloat16, config=config,
+      interpret=interpret))
+
+
+def wall_us(fn, arg_sets, iterations: int) -> float:
+  times = []
+  for i in range(iterations):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times.append((time.perf_counter() - start) * 1e6)
+  return float(np.median(times))
+
+
+def compare(base, new, implementation: str, m: int, n: int, k: int, *, reps: int, iterations: int,
+            interpret: bool) -> dict:
+  a_q, a_s = bench_gemm.make_activation(jax.random.key(m), m, k, BLOCK_SIZE[1])
+  arg_sets = []
+  for i in range(1 if interpret else bench_gemm.rotation_sets(n * k, m * k)):
+    b_q, b_s = bench_gemm.make_weight(jax.random.key(n + k + i), n, k, BLOCK_SIZE)
+    arg_sets.append((a_q, b_q, a_s, b_s))
+  fns = {name: kernel_fn(module, implementation, m, n, k, interpret) for name, module in (("base", base), ("new", new))}
+  outs = {name: np.asarray(fn(*arg_sets[0]).astype(jnp.float32)) for name, fn in fns.items()}
+  scale = float(np.linalg.norm(outs["base"])) or 1.0
+  timer = (lambda fn: wall_us(fn, arg_sets, iterations)) if interpret else (
+      lambda fn: timing.median_kernel_us(fn, arg_sets, iterations=iterations))
+  rounds = {name: [] for name in fns}
+  for _ in range(reps):
+    for name, fn in fns.items():
+      rounds[name].append(timer(fn))
+  base_us, new_us = min(rounds["base"]), min(rounds["new"])
+  return dict(m=m, n=n, k=k, base_us=base_us, new_us=new_us, speedup=base_us / new_us,
+              identical=bool(np.array_equal(outs["base"], outs["new"])),
+              rel_diff=float(np.linalg.norm(outs["new"] - outs["base"])) / scale,
+              new_tflops=2 * m * n * k / new_us / 1e6, new_x_floor=new_us / (n * k / HBM_BYTES_PER_S * 1e6),
+              rounds_us=rounds)
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("out", help="JSON results file (rewritten after every shape)")
+  parser.add_argument("--base_tree", required=True, help="the source tree to compare against, e.g. a worktree")
+  parser.add_argument("--implementation", choices=("mosaic", "triton"), required=True)
+  parser.add_argument("--shapes", required=True, help='"M,N,K;M,N,K": N and K multiples of 128')
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--interpret", action="store_true", help="CPU smoke run: interpret mode, wall clock")
+  args = parser.parse_args(argv)
+  shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";") if s]
+  if any(len(s) != 3 for s in shapes):
+    parser.error(f"--shapes must be M,N,K triples separated by ';', got {args.shapes!r}")
+  base = load_module(args.base_tree, args.implementation, f"base_gemm_{args.implementation}")
+  new = load_module(str(ROOT), args.implementation, f"new_gemm_{args.implementation}")
+  result = {"description": f"{args.implementation} GEMM kernel: this tree (new) vs {args.base_tree} (base), "
+                           "one process, best of --reps medians", "command": " ".join(sys.argv), "rows": []}
+  for m, n, k in shapes:
+    row = compare(base, new, args.implementation, m, n, k, reps=args.reps, iterations=args.iterations,
+                  interpret=args.interpret)
+    result["rows"].append(row)
+    print(f"M={m:5d} N={n:6d} K={k:6d}  base {row['base_us']:9.2f} us  new {row['new_us']:9.2f} us  "
+          f"x{row['speedup']:.3f}  identical={row['identical']} rel_diff={row['rel_diff']:.1e}", flush=True)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+  return result["rows"]
+
+
+if __name__ == "__main__":
+  main()
