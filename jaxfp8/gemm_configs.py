@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems
+from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil
 
 H200_TABLE = "triton_gemm_h200.json"
 # Token counts the table is tuned for (the decode and prefill M of shapes.json).
@@ -46,10 +46,6 @@ def load_table(name: str = H200_TABLE) -> Mapping[str, Any]:
   return json.loads(text)
 
 
-def _pow2_ceil(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
-
-
 def _block_k_for(gk: int) -> int:
   """A K step for scale groups of gk: 128 when it divides gk or gk divides it, else gk's largest power-of-two divisor.
 
@@ -70,7 +66,7 @@ def heuristic_config(m: int, n: int, k: int, block_size: tuple[int, int], *, num
   block_k = _block_k_for(gk)
   k_tiles = -(-k // block_k)
   if m <= 64:
-    block_m = max(16, _pow2_ceil(m))
+    block_m = max(16, pow2_ceil(m))
     config = TritonGemmConfig(
         block_m=block_m, block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=4, swap_ab=True)
     programs_wanted = 2 * num_sms

@@ -129,7 +129,8 @@ def check_config(config: TritonGemmConfig, block_size: tuple[int, int]) -> None:
     raise ValueError(f"config={config} cannot run with block_size={tuple(block_size)}: " + "; ".join(problems))
 
 
-def _pow2_ceil(x: int) -> int:
+def pow2_ceil(x: int) -> int:
+  """The least power of two >= x (1 for x <= 1): Triton block shapes must be powers of two."""
   return 1 << max(0, (x - 1).bit_length())
 
 
@@ -183,7 +184,7 @@ def _kernel(
     # registers instead of issuing a scalar global load whose latency the loop waits for (H200: M=64 N=10240
     # K=5120 24.0 vs 25.3 us, M=4096 N=24576 K=7168 1937 vs 2043 us). Rows of more groups than
     # _MAX_HOISTED_GROUPS (K over 128K columns at gk=128) keep the per-step load.
-    groups_padded = _pow2_ceil(num_groups)
+    groups_padded = pow2_ceil(num_groups)
     hoist_b_s = groups_padded <= _MAX_HOISTED_GROUPS
     if hoist_b_s:
       group_ids = lax.broadcasted_iota(jnp.int32, (groups_padded,), 0)

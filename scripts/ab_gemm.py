@@ -2,7 +2,8 @@
 against a base tree's (e.g. a worktree of main), so that a kernel change is judged by the same machine state.
 
   git worktree add .wip/wt/base main
-  python scripts/ab_gemm.py OUT.json --base_tree .wip/wt/base --implementation triton --shapes "64,7168,18432;4096,24576,7168"
+  python scripts/ab_gemm.py OUT.json --base_tree .wip/wt/base --implementation triton \
+      --shapes "64,7168,18432;4096,24576,7168"
 
 On the H200 the device copies the working tree only: carry the worktree (`carry=[".wip/wt"]`). Each shape runs both
 kernels with the same config (Mosaic: this tree's `default_config`; Triton: this tree's tuned table or heuristic,
@@ -19,17 +20,15 @@ import importlib.util
 import json
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import _platform, bench_gemm, gemm_configs, timing
+from jaxfp8 import _platform, bench, bench_gemm, gemm_configs, timing
 from jaxfp8.gemm import _device_kind
 
 BLOCK_SIZE = (128, 128)
-HBM_BYTES_PER_S = 4.3e12  # the weight-streaming floor's bandwidth, as in bench_gemm_mosaic.py
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -42,28 +41,23 @@ def load_module(tree: str, implementation: str, alias: str):
   return module
 
 
-def kernel_fn(module, implementation: str, m: int, n: int, k: int, interpret: bool):
-  """A jitted f(a_q, b_q, a_s_col, b_s) -> bf16 of `module`'s kernel with this tree's config choice for the shape."""
+def chosen_config(new, implementation: str, m: int, n: int, k: int, interpret: bool):
+  """This tree's config for the shape: Mosaic's `default_config`, or the Triton table / heuristic."""
   if implementation == "mosaic":
-    from pallas_kernels import gemm_mosaic
-    config = module.MosaicGemmConfig(**{f: getattr(gemm_mosaic.default_config(m, n, k), f)
-                                        for f in module.MosaicGemmConfig.__dataclass_fields__})
-    return jax.jit(lambda a, b, s_a, s_b: module.block_fp8_matmul(a, b, s_a, s_b, config=config, interpret=interpret))
+    return new.default_config(m, n, k)
   device_kind = None if interpret else _device_kind()
-  chosen = gemm_configs.get_config(m, n, k, BLOCK_SIZE, device_kind=device_kind, num_sms=_platform.num_sms())
-  config = module.TritonGemmConfig.from_dict(chosen.to_dict())
+  return gemm_configs.get_config(m, n, k, BLOCK_SIZE, device_kind=device_kind, num_sms=_platform.num_sms())
+
+
+def kernel_fn(module, implementation: str, config, interpret: bool):
+  """A jitted f(a_q, b_q, a_s_col, b_s) -> bf16 of `module`'s kernel with `config` (rebuilt as that module's class)."""
+  if implementation == "mosaic":
+    config = module.MosaicGemmConfig(**{f: getattr(config, f) for f in module.MosaicGemmConfig.__dataclass_fields__})
+    return jax.jit(lambda a, b, s_a, s_b: module.block_fp8_matmul(a, b, s_a, s_b, config=config, interpret=interpret))
+  config = module.TritonGemmConfig.from_dict(config.to_dict())
   return jax.jit(lambda a, b, s_a, s_b: module.block_fp8_matmul(
       a, b, s_a, s_b, None, block_size=BLOCK_SIZE, a_s_column_major=True, out_dtype=jnp.bfloat16, config=config,
       interpret=interpret))
-
-
-def wall_us(fn, arg_sets, iterations: int) -> float:
-  times = []
-  for i in range(iterations):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    times.append((time.perf_counter() - start) * 1e6)
-  return float(np.median(times))
 
 
 def compare(base, new, implementation: str, m: int, n: int, k: int, *, reps: int, iterations: int,
@@ -73,20 +67,22 @@ def compare(base, new, implementation: str, m: int, n: int, k: int, *, reps: int
   for i in range(1 if interpret else bench_gemm.rotation_sets(n * k, m * k)):
     b_q, b_s = bench_gemm.make_weight(jax.random.key(n + k + i), n, k, BLOCK_SIZE)
     arg_sets.append((a_q, b_q, a_s, b_s))
-  fns = {name: kernel_fn(module, implementation, m, n, k, interpret) for name, module in (("base", base), ("new", new))}
+  config = chosen_config(new, implementation, m, n, k, interpret)
+  fns = {name: kernel_fn(module, implementation, config, interpret) for name, module in (("base", base), ("new", new))}
   outs = {name: np.asarray(fn(*arg_sets[0]).astype(jnp.float32)) for name, fn in fns.items()}
   scale = float(np.linalg.norm(outs["base"])) or 1.0
-  timer = (lambda fn: wall_us(fn, arg_sets, iterations)) if interpret else (
+  timer = (lambda fn: bench.median_wall_us(fn, arg_sets, iterations=iterations)) if interpret else (
       lambda fn: timing.median_kernel_us(fn, arg_sets, iterations=iterations))
   rounds = {name: [] for name in fns}
   for _ in range(reps):
     for name, fn in fns.items():
       rounds[name].append(timer(fn))
   base_us, new_us = min(rounds["base"]), min(rounds["new"])
-  return dict(m=m, n=n, k=k, base_us=base_us, new_us=new_us, speedup=base_us / new_us,
+  return dict(m=m, n=n, k=k, config=str(config), base_us=base_us, new_us=new_us, speedup=base_us / new_us,
               identical=bool(np.array_equal(outs["base"], outs["new"])),
               rel_diff=float(np.linalg.norm(outs["new"] - outs["base"])) / scale,
-              new_tflops=2 * m * n * k / new_us / 1e6, new_x_floor=new_us / (n * k / HBM_BYTES_PER_S * 1e6),
+              new_tflops=2 * m * n * k / new_us / 1e6,
+              new_x_floor=new_us / (n * k / bench_gemm.HBM_BYTES_PER_S * 1e6),
               rounds_us=rounds)
 
 
