@@ -654,6 +654,22 @@ def test_tune_plumbing_writes_a_table_get_config_uses(monkeypatch, tmp_path):
   assert config == TritonGemmConfig.from_dict(entry["config"])
 
 
+def test_tune_times_the_entry_it_would_replace(monkeypatch, tmp_path):
+  from jaxfp8 import timing, tune
+  monkeypatch.setattr(timing, "median_kernel_us", _fake_median_kernel_us)
+  key = gemm_configs.table_key(200, 384, (128, 128), 8)
+  previous = TritonGemmConfig(16, 32, 64, 1, 4, 2, 1, False)
+  assert previous not in tune.candidate_configs(8, 200, 384, (128, 128), max_configs=2)
+  out = tmp_path / "table.json"
+  out.write_text(json.dumps({"device": "cpu", "tuned": True, "entries": {key: {"config": previous.to_dict()}}}))
+  lines = []
+  table = tune.tune([(200, 384)], [8], (128, 128), str(out), max_configs=2, iterations=2, interpret=True,
+                    log=lines.append)
+  assert table["entries"][key]["candidates"] == 3
+  assert any(line.startswith("[N=200 K=384 M=8 2/3] 16x32x64 g1 w4 s2 split1:") for line in lines), lines
+  assert "previous entry" in lines[-2], lines
+
+
 def test_tune_candidates_can_all_run():
   for m in (1, 16, 64, 128, 256, 4096):
     for block_size in ((128, 128), (64, 64), (128, 64)):
