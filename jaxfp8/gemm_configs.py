@@ -60,7 +60,7 @@ def heuristic_config(m: int, n: int, k: int, block_size: tuple[int, int], *, num
   """A reasonable untuned config for an sm_90-class GPU, or None when no Triton config can serve `block_size`.
 
   Decode (M <= 64) streams the weight: the weight tile is the MMA's M side (swap_ab), K is split until there are about
-  two programs per SM. Larger M uses 64x128 tiles, one group deep, 4 warps, 4 stages, in grouped order for L2 reuse.
+  two programs per SM. Larger M uses 64x128 tiles, one group deep, 4 warps, 3 stages, in grouped order for L2 reuse.
   """
   _, gk = block_size
   block_k = _block_k_for(gk)
@@ -68,12 +68,14 @@ def heuristic_config(m: int, n: int, k: int, block_size: tuple[int, int], *, num
   if m <= 64:
     block_m = max(16, pow2_ceil(m))
     config = TritonGemmConfig(
-        block_m=block_m, block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=4, swap_ab=True)
+        block_m=block_m, block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=3, swap_ab=True)
     programs_wanted = 2 * num_sms
   else:
-    # H200 tunes: fastest at M=256 on 5 of 6 shapes (session 2), and at M=1024 and 4096 on all 6 (shape, M) pairs
-    # tuned with it among the candidates (session 4: 2-10% ahead of 128x128 tiles two groups deep, 8 warps).
-    config = TritonGemmConfig(block_m=64, block_n=128, block_k=block_k, group_m=8, num_warps=4, num_stages=4)
+    # H200 tunes of the session-9 kernel (session 10, six weights): 3 stages (three programs per SM) fastest at
+    # M=1024 and 4096 on all six, 8-16% ahead of the 4 of sessions 2-4; 16 row tiles per column sweep there, 8 at
+    # M=256 (fastest on 4 of 6).
+    config = TritonGemmConfig(block_m=64, block_n=128, block_k=block_k, group_m=8 if m <= 256 else 16, num_warps=4,
+                              num_stages=3)
     programs_wanted = num_sms
   tiles = -(-m // config.block_m) * -(-n // config.block_n)
   # An empty output (M or N = 0) has no tiles to split K over (and the split count below would divide by zero).
