@@ -488,6 +488,19 @@ def test_triton_kernel_lowers_for_h200(m, n, k, block_size, config):
   assert plt.CUSTOM_CALL_TARGET_NAME in exported.mlir_module()
 
 
+def _shipped_entries():
+  return [tuple(int(v) for v in key.split(",")) for key in gemm_configs.load_table()["entries"]]
+
+
+@pytest.mark.parametrize("n, k, gn, gk, m", _shipped_entries())
+def test_every_shipped_triton_config_lowers_for_h200(n, k, gn, gk, m):
+  """Each entry of the shipped table, at its own shape and bucket M, as dispatch would pick it on an H200."""
+  entry = gemm_configs.load_table()["entries"][gemm_configs.table_key(n, k, (gn, gk), m)]
+  config = TritonGemmConfig.from_dict(entry["config"])
+  assert gemm_configs.get_config(m, n, k, (gn, gk), device_kind="NVIDIA H200") == config
+  test_triton_kernel_lowers_for_h200(m, n, k, (gn, gk), config)
+
+
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
 def test_triton_dots_chain_fp8_accumulation_unless_f32_out(monkeypatch, capsys, out_dtype):
   """bf16 output: every tt.dot of the kernel carries maxNumImpreciseAcc above its K (128); without it Triton adds each
