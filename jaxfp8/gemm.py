@@ -47,6 +47,12 @@ def _device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
+def triton_config(m: int, n: int, k: int, block_size: tuple[int, int]) -> TritonGemmConfig | None:
+  """The Triton config a call without `config` runs: this device's tuned table entry, else the heuristic; None when
+  no Triton config can serve block_size."""
+  return gemm_configs.get_config(m, n, k, block_size, device_kind=_device_kind(), num_sms=_platform.num_sms())
+
+
 def _resolve_interpret(interpret: bool | None) -> bool:
   # Under `abstract_h200()` (lowering for CUDA on a CPU machine) kernels are compiled, not interpreted.
   if interpret is None and _platform.abstract_device_capability() is not None:
@@ -246,8 +252,7 @@ def w8a8_block_fp8_matmul(
     raise ValueError(f"config applies to the 'triton' and 'mosaic' implementations, not 'xla'; got config={config!r}")
   if implementation == "triton":
     if config is None:
-      config = gemm_configs.get_config(out_rows or m, n, k, block_size, device_kind=_device_kind(),
-                                       num_sms=_platform.num_sms())
+      config = triton_config(out_rows or m, n, k, block_size)
       if config is None:
         raise ValueError(
             f"no Triton config can serve block_size={block_size}: gk={gk} is not a multiple of "

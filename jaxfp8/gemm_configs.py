@@ -66,8 +66,8 @@ def heuristic_config(m: int, n: int, k: int, block_size: tuple[int, int], *, num
   block_k = _block_k_for(gk)
   k_tiles = -(-k // block_k)
   if m <= 64:
-    # 3 stages: the depth of 22 of the 24 decode entries (M = 1-64) of session 10's tune.
     block_m = max(16, pow2_ceil(m))
+    # 3 stages: the depth of 22 of the 24 decode entries (M = 1-64) of session 10's tune.
     config = TritonGemmConfig(
         block_m=block_m, block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=3, swap_ab=True)
     programs_wanted = 2 * num_sms
@@ -112,12 +112,19 @@ def get_config(
   """The tuned config for this shape on this device if the table has one, else `heuristic_config`."""
   table = load_table() if table is None else table
   if _device_table_applies(device_kind, table):
-    entry = _nearest_entry(table.get("entries", {}), n, k, tuple(block_size), m)
-    if entry is not None:
-      config = TritonGemmConfig.from_dict(entry["config"])
-      if not config_problems(config, block_size):
-        return config
+    config = entry_config(_nearest_entry(table.get("entries", {}), n, k, tuple(block_size), m), block_size)
+    if config is not None:
+      return config
   return heuristic_config(m, n, k, block_size, num_sms=num_sms)
 
 
-__all__ = ["M_BUCKETS", "H200_TABLE", "m_bucket", "table_key", "load_table", "heuristic_config", "get_config"]
+def entry_config(entry: Mapping[str, Any] | None, block_size: tuple[int, int]) -> TritonGemmConfig | None:
+  """The config of a table entry, or None for no entry or one whose config cannot run with block_size."""
+  if entry is None:
+    return None
+  config = TritonGemmConfig.from_dict(entry["config"])
+  return None if config_problems(config, block_size) else config
+
+
+__all__ = ["M_BUCKETS", "H200_TABLE", "m_bucket", "table_key", "load_table", "heuristic_config", "get_config",
+           "entry_config"]

@@ -216,11 +216,8 @@ def tune(
 def _incumbent(entries, n: int, k: int, block_size: tuple[int, int], m: int) -> TritonGemmConfig | None:
   """The config of this key's entry in `entries`, else in the shipped table; None when neither has one."""
   key = gemm_configs.table_key(n, k, block_size, m)
-  entry = entries.get(key) or gemm_configs.load_table().get("entries", {}).get(key)
-  if entry is None:
-    return None
-  config = TritonGemmConfig.from_dict(entry["config"])
-  return None if config_problems(config, block_size) else config
+  return gemm_configs.entry_config(entries.get(key) or gemm_configs.load_table().get("entries", {}).get(key),
+                                   block_size)
 
 
 def _short(config: TritonGemmConfig) -> str:

@@ -7,7 +7,7 @@ against a base tree's (e.g. a worktree of main), so that a kernel change is judg
 
 On the H200 the device copies the working tree only: carry the worktree (`carry=[".wip/wt"]`). Each shape runs both
 kernels with the same config (Mosaic: this tree's `default_config`; Triton: this tree's tuned table or heuristic,
-`jaxfp8.gemm_configs.get_config`), each called directly under its own `jax.jit` (the library's jitted entry point
+`jaxfp8.gemm.triton_config`), each called directly under its own `jax.jit` (the library's jitted entry point
 would serve one cached trace to both), checks that the outputs agree, then times them interleaved: `--reps` rounds
 of a CUPTI median of `--iterations` calls each, inputs rotated past L2; the best round of each is reported.
 `--interpret` runs the kernels in interpret mode with wall-clock timing, for a CPU smoke run on tiny shapes.
@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import _platform, bench, bench_gemm, gemm_configs, timing
-from jaxfp8.gemm import _device_kind
+from jaxfp8 import bench, bench_gemm, gemm, timing
 
 BLOCK_SIZE = (128, 128)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,12 +40,11 @@ def load_module(tree: str, implementation: str, alias: str):
   return module
 
 
-def chosen_config(new, implementation: str, m: int, n: int, k: int, interpret: bool):
+def chosen_config(new, implementation: str, m: int, n: int, k: int):
   """This tree's config for the shape: Mosaic's `default_config`, or the Triton table / heuristic."""
   if implementation == "mosaic":
     return new.default_config(m, n, k)
-  device_kind = None if interpret else _device_kind()
-  return gemm_configs.get_config(m, n, k, BLOCK_SIZE, device_kind=device_kind, num_sms=_platform.num_sms())
+  return gemm.triton_config(m, n, k, BLOCK_SIZE)
 
 
 def kernel_fn(module, implementation: str, config, interpret: bool):
@@ -67,7 +65,7 @@ def compare(base, new, implementation: str, m: int, n: int, k: int, *, reps: int
   for i in range(1 if interpret else bench_gemm.rotation_sets(n * k, m * k)):
     b_q, b_s = bench_gemm.make_weight(jax.random.key(n + k + i), n, k, BLOCK_SIZE)
     arg_sets.append((a_q, b_q, a_s, b_s))
-  config = chosen_config(new, implementation, m, n, k, interpret)
+  config = chosen_config(new, implementation, m, n, k)
   fns = {name: kernel_fn(module, implementation, config, interpret) for name, module in (("base", base), ("new", new))}
   outs = {name: np.asarray(fn(*arg_sets[0]).astype(jnp.float32)) for name, fn in fns.items()}
   scale = float(np.linalg.norm(outs["base"])) or 1.0

@@ -16,7 +16,7 @@ import os
 
 import jax
 
-from jaxfp8 import bench_gemm
+from jaxfp8 import bench_gemm, gemm
 from pallas_kernels import gemm_mosaic as gm
 
 BLOCK_SIZE = (128, 128)
@@ -47,8 +47,12 @@ def main():
   m, n, k = args.m, args.n, args.k
   a_q, a_s = bench_gemm.make_activation(jax.random.key(0), m, k, BLOCK_SIZE[1])
   b_q, b_s = bench_gemm.make_weight(jax.random.key(1), n, k, BLOCK_SIZE)
-  contenders = [bench_gemm.jax_contender(name, BLOCK_SIZE) for name in args.contenders.split(",")]
-  print("config:", gm.default_config(m, n, k), flush=True)
+  names = args.contenders.split(",")
+  contenders = [bench_gemm.jax_contender(name, BLOCK_SIZE) for name in names]
+  configs = {"mosaic": lambda: gm.default_config(m, n, k), "triton": lambda: gemm.triton_config(m, n, k, BLOCK_SIZE)}
+  for name in names:
+    if name in configs:
+      print(f"{name} config:", configs[name](), flush=True)
   jax.block_until_ready([fn(a_q, b_q, a_s, b_s) for fn in contenders])  # compile and warm up
   cudart = _cudart()
   cudart.cudaProfilerStart()
