@@ -527,6 +527,27 @@ def test_triton_dots_chain_fp8_accumulation_unless_f32_out(monkeypatch, capsys, 
       assert all("maxNumImpreciseAcc = 1073741824" in line for line in dots), dots
 
 
+def test_triton_promotion_is_one_fma_per_element(monkeypatch, capsys):
+  """Each dot's `acc + part * scale` is the inline-asm fused multiply-add (one instruction per element on the GPU,
+  where Triton would emit an FMUL and an FADD), for both weight-scale layouts."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+  monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
+  m, n, k = 64, 256, 512
+  for block_size, config in (((128, 128), _cfg(64, 128, 256)), ((64, 128), _cfg(16, 128, 128, swap_ab=True))):
+    args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((k // 128, m), jnp.float32),
+            jax.ShapeDtypeStruct((n // block_size[0], k // 128), jnp.float32))
+    f = functools.partial(w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True,
+                          implementation="triton", config=config)
+    with _platform.abstract_h200():
+      jax.export.export(jax.jit(f), platforms=["cuda"],
+                        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plt.CUSTOM_CALL_TARGET_NAME)])(*args)
+    fmas = [line for line in capsys.readouterr().out.splitlines()
+            if "tt.elementwise_inline_asm" in line and "fma.rn.f32" in line]
+    assert len(fmas) == config.block_k // min(config.block_k, block_size[1]), (config, fmas)
+
+
 # ---- GPU: full shapes.json sizes -----------------------------------------------------------------------------------
 
 GPU_SHAPES = [("deepseek_v3", "q_a_proj"), ("deepseek_v3", "kv_a_proj_with_mqa"), ("deepseek_v3", "q_b_proj"),
