@@ -68,6 +68,11 @@ def candidate_configs(m: int, n: int, k: int, block_size: tuple[int, int], *, ma
     for split in splits:
       for bn, stages in ((64, 3), (64, 5), (128, 3)):
         out.append(TritonGemmConfig(bm, bn, 128, 1, 4, stages, split, False))
+    # Session 11: every split from 1 to 8 for the winners' shape, so that the program count can fit the SMs' slots
+    # (at M=64 on Qwen3 qkv, 320 programs of 20 K steps left 56 SMs with three programs and 76 with two).
+    for split in range(1, 9):
+      out.append(TritonGemmConfig(bm, 64, 128, 1, 4, 3, split, False))
+      out.append(_replace(heuristic, split_k=split))
     for split in splits:
       out.append(TritonGemmConfig(bm, 128, 128, 1, 4, 4, split, True))
       out.append(TritonGemmConfig(bm, 128, 128, 1, 8, 4, split, True))
