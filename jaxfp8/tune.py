@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxfp8 import _bench_io, _platform, bench_gemm, gemm, gemm_configs, timing
 from jaxfp8 import reference as ref
-from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems
+from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems, split_k_steps
 
 BF16_BOUND = 5e-3
 
@@ -102,10 +102,12 @@ def candidate_configs(m: int, n: int, k: int, block_size: tuple[int, int], *, ma
           (64, 128, 128, 8, 4, 2), (64, 128, 128, 16, 4, 3), (64, 128, 128, 4, 4, 3), (128, 128, 128, 8, 4, 3),
           (64, 64, 128, 8, 4, 3)):
         out.append(TritonGemmConfig(bm, bn, bk, group_m, warps, stages, split, False))
+  # Two split counts that the kernel launches as the same one (split_k_steps trims) are one candidate.
   seen, unique = set(), []
   for config in out:
-    if config not in seen and not config_problems(config, block_size):
-      seen.add(config)
+    launched = _replace(config, split_k=split_k_steps(k, config)[1])
+    if launched not in seen and not config_problems(config, block_size):
+      seen.add(launched)
       unique.append(config)
   return unique[:max_configs]
 

@@ -139,6 +139,14 @@ def _div(x, d: int):
   return lax.div(x, jnp.asarray(d, jnp.int32)) if isinstance(x, jax.Array) else x // d
 
 
+def split_k_steps(k: int, config: TritonGemmConfig) -> tuple[int, int]:
+  """(K steps per split, splits launched) for a reduction of length k: each split runs the same number of K steps,
+  and a split count that would leave a split without work is trimmed (12 K steps asked of 5 splits run as 4 splits of 3)."""
+  k_tiles = pl.cdiv(k, config.block_k)
+  k_steps = pl.cdiv(k_tiles, max(1, min(config.split_k, k_tiles)))
+  return k_steps, pl.cdiv(k_tiles, k_steps)
+
+
 def _fma(x: jax.Array, y: jax.Array, z: jax.Array, interpret: bool) -> jax.Array:
   """x * y + z of f32 arrays of one shape, as one fused multiply-add per element on the GPU: Triton (through
   Pallas, JAX 0.11.2) emits the promotion `acc + part * scale` as an FMUL and an FADD (H200 SASS, session 10), twice
@@ -314,10 +322,7 @@ def block_fp8_matmul(
   m = out_rows or a_q.shape[0]
   n = b_q.shape[0]
   gn, gk = block_size
-  k_tiles = pl.cdiv(k, config.block_k)
-  # Each split runs k_steps K steps; the split count is then trimmed so that no split is left without work.
-  k_steps = pl.cdiv(k_tiles, max(1, min(config.split_k, k_tiles)))
-  split_k = pl.cdiv(k_tiles, k_steps)
+  k_steps, split_k = split_k_steps(k, config)
   if split_k != config.split_k:
     config = dataclasses.replace(config, split_k=split_k)
   num_tiles = pl.cdiv(m, config.block_m) * pl.cdiv(n, config.block_n)

@@ -713,6 +713,16 @@ def test_tune_candidates_can_all_run():
       assert all(not gemm_triton.config_problems(c, block_size) for c in candidates)
 
 
+def test_tune_candidates_are_distinct_as_launched():
+  """Split counts the kernel launches alike (12 K steps asked of 4 or of 5 splits: 4 splits of 3 steps) are timed
+  once."""
+  assert gemm_triton.split_k_steps(12 * 128, _cfg(64, 64, 128, split_k=5)) == (3, 4)
+  assert gemm_triton.split_k_steps(12 * 128, _cfg(64, 64, 128, split_k=16)) == (1, 12)
+  candidates = tune_module().candidate_configs(64, 24576, 1536, (128, 128), max_configs=500)
+  launched = [dataclasses.replace(c, split_k=gemm_triton.split_k_steps(1536, c)[1]) for c in candidates]
+  assert len(set(launched)) == len(candidates) > 20
+
+
 def tune_module():
   from jaxfp8 import tune
   return tune
