@@ -57,7 +57,10 @@ def cupti_times_us(
 
   `run` must launch the same kernels on every call, on one GPU (see `kernel_records` for several).
   """
-  records = kernel_records(run, iterations=iterations, sync=sync, warmup=warmup)
+  return _per_call_totals(kernel_records(run, iterations=iterations, sync=sync, warmup=warmup), iterations)
+
+
+def _per_call_totals(records: list[tuple[str, float]], iterations: int) -> list[float]:
   if len(records) % iterations:
     raise RuntimeError(f"{len(records)} kernels recorded over {iterations} iterations: not the same kernels each call")
   per_call = len(records) // iterations
@@ -71,6 +74,20 @@ def median_kernel_us(
   """Median CUPTI time of `fn(*args)`, rotating through `arg_sets` so that a small weight is not timed from L2."""
   times = cupti_times_us(lambda i: fn(*arg_sets[i % len(arg_sets)]), iterations=iterations, sync=sync)
   return statistics.median(times)
+
+
+def median_kernel_us_by_name(
+    fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iterations: int = 30,
+    sync: Callable[[Any], None] = jax.block_until_ready,
+) -> tuple[float, dict[str, float]]:
+  """`median_kernel_us` of `fn`, and beside it the median time of each kernel it launches, by kernel name (e.g. a
+  split-K GEMM's Pallas kernel apart from XLA's reduction of its partials)."""
+  records = kernel_records(lambda i: fn(*arg_sets[i % len(arg_sets)]), iterations=iterations, sync=sync)
+  by_name: dict[str, list[float]] = {}
+  for name, us in records:
+    by_name.setdefault(name, []).append(us)
+  return (statistics.median(_per_call_totals(records, iterations)),
+          {name: statistics.median(times) for name, times in by_name.items()})
 
 
 def kernel_names(fn: Callable[..., Any], args: tuple, *, sync: Callable[[Any], None] = jax.block_until_ready) -> list[str]:

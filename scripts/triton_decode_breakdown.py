@@ -13,30 +13,20 @@ block_m,block_n,block_k,group_m,num_warps,num_stages,split_k,swap_ab. Needs a GP
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import statistics
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxfp8 import gemm, timing
+from jaxfp8 import bench_gemm, gemm, timing
 from pallas_kernels import gemm_triton
 
 BLOCK_SIZE = (128, 128)
-HBM_BYTES_PER_US = 4.3e6  # the weight-streaming floor's 4.3 TB/s
 
 
 def per_kernel_us(fn, arg_sets, iterations: int) -> tuple[float, dict[str, float]]:
-  """(median summed time per call, median time of each kernel name) of fn over rotating argument sets."""
-  records = timing.kernel_records(lambda i: fn(*arg_sets[i % len(arg_sets)]), iterations=iterations)
-  per_call = len(records) // iterations
-  totals = [sum(us for _, us in records[i * per_call:(i + 1) * per_call]) for i in range(iterations)]
-  by_name = collections.defaultdict(list)
-  for name, us in records:
-    by_name[name].append(us)
-  return statistics.median(totals), {name: round(statistics.median(v), 2) for name, v in by_name.items()}
+  total, by_name = timing.median_kernel_us_by_name(fn, arg_sets, iterations=iterations)
+  return total, {name: round(us, 2) for name, us in by_name.items()}
 
 
 def parse_config(text: str, m: int, n: int, k: int) -> gemm_triton.TritonGemmConfig:
@@ -53,26 +43,25 @@ def main() -> None:
   parser.add_argument("--configs", default="table")
   parser.add_argument("--iterations", type=int, default=60)
   args = parser.parse_args()
-  rng = np.random.default_rng(0)
   rows = []
   for shape in args.shapes.split(";"):
     m, n, k = (int(v) for v in shape.split(","))
-    arg_sets = [(jnp.asarray(rng.standard_normal((m, k)), jnp.float32).astype(jnp.float8_e4m3fn),
-                 jnp.asarray(rng.standard_normal((n, k)), jnp.float32).astype(jnp.float8_e4m3fn),
-                 jnp.asarray(rng.uniform(0.5, 1, (k // 128, m)), jnp.float32),
-                 jnp.asarray(rng.uniform(0.5, 1, (n // 128, k // 128)), jnp.float32)) for _ in range(4)]
-    for text in args.configs.split(";"):
-      config = parse_config(text, m, n, k)
+    a_q, a_s = bench_gemm.make_activation(jax.random.key(m), m, k, BLOCK_SIZE[1])
+    weights = [bench_gemm.make_weight(jax.random.key(n + k + i), n, k, BLOCK_SIZE)
+               for i in range(bench_gemm.rotation_sets(n * k, m * k))]
+    arg_sets = [(a_q, b_q, a_s, b_s) for b_q, b_s in weights]
+    configs = [parse_config(text, m, n, k) for text in args.configs.split(";")]
+    for config in configs:
       fn = jax.jit(lambda a, b, sa, sb, config=config: gemm_triton.block_fp8_matmul(
           a, b, sa, sb, None, block_size=BLOCK_SIZE, a_s_column_major=True, out_dtype=jnp.bfloat16, config=config,
           interpret=False))
       total, kernels = per_kernel_us(fn, arg_sets, args.iterations)
       rows.append(dict(m=m, n=n, k=k, config=str(config), us=round(total, 2), kernels=kernels,
-                       x_weight_floor=round(total / (n * k / HBM_BYTES_PER_US), 3)))
+                       x_weight_floor=round(total / (n * k / bench_gemm.HBM_BYTES_PER_S * 1e6), 3)))
       print(json.dumps(rows[-1]), flush=True)
-    split = parse_config(args.configs.split(";")[0], m, n, k).split_k
+    split = gemm_triton.split_k_steps(k, configs[0])[1]
     if split > 1:
-      partials = [(jnp.asarray(rng.standard_normal((split, m, n)), jnp.float32),) for _ in range(4)]
+      partials = [(jax.random.normal(jax.random.key(i), (split, m, n), jnp.float32),) for i in range(4)]
       for label, reduce in (("sum(axis=0)", lambda p: p.sum(axis=0).astype(jnp.bfloat16)),
                             ("chained adds", lambda p: sum(p[i] for i in range(p.shape[0])).astype(jnp.bfloat16))):
         total, kernels = per_kernel_us(jax.jit(reduce), partials, args.iterations)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfp8 import bench
+from jaxfp8 import bench, timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,3 +218,13 @@ def test_ab_gemm_runs_the_base_trees_kernel(tmp_path):
 def test_ab_gemm_of_a_tree_with_itself_is_identical(tmp_path):
   rows = _run_ab_gemm(tmp_path / "ab.json", ROOT, "mosaic", "64,256,256")
   assert [(r["identical"], r["rel_diff"]) for r in rows] == [(True, 0.0)]
+
+
+def test_kernel_times_by_name_split_calls_and_kernels(monkeypatch):
+  # Three calls of a split-K GEMM (two kernels each): per-call totals 12, 15, 13.5 -> median 13.5; each kernel's own
+  # median beside it. A record count that is not a multiple of the calls is an error, not a silent mis-slice.
+  records = [("gemm", 10.0), ("reduce", 2.0), ("gemm", 12.0), ("reduce", 3.0), ("gemm", 11.0), ("reduce", 2.5)]
+  monkeypatch.setattr(timing, "kernel_records", lambda run, iterations, sync, warmup=2: records)
+  assert timing.median_kernel_us_by_name(lambda: None, [()], iterations=3) == (13.5, {"gemm": 11.0, "reduce": 2.5})
+  with pytest.raises(RuntimeError, match="not the same kernels each call"):
+    timing.median_kernel_us_by_name(lambda: None, [()], iterations=4)
