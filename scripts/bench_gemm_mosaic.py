@@ -2,6 +2,7 @@
 
   python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick] [--shapes N,K;N,K] [--m 1,16,64]
                                               [--only decode|medium|prefill|wg3|wg3_tune|small_prefill|cols|choices] [--unscaled]
+                                              [--torch]
 
 (a) every candidate config against an f32 XLA computation of SPEC 2 at a few odd shapes (partial row tiles, bias);
 (b) CUPTI kernel times (jaxfp8.timing.median_kernel_us) at M in {1, 16, 64, 256, 1024, 4096} for (N, K) =
@@ -15,6 +16,8 @@ Stops starting new measurements once --budget_s is spent, and writes the JSON (w
 the same TMA pipeline, warp specialization and epilogue). Its gap to the default row is what the per-128-K promotion
 costs; its gap to cuBLASLt is the pipeline's own. Not SPEC's math: its output is checked against the unscaled f32
 product of the same codes instead (the row's rel_err_vs_unscaled_product).
+--torch adds torch `_scaled_mm` blockwise (cuBLASLt, issue 4's yardstick) to pass 1, timed by the benchmark's own
+runner (jaxfp8.bench_gemm) on the same operands, so that the rows above compare with it within one run.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import _platform, timing
+from jaxfp8 import _bench_io, _platform, bench_gemm, timing
 from pallas_kernels import gemm_mosaic as gm
 from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
 
@@ -310,7 +313,7 @@ def _xla_fp8_dot(a_q, b_q, a_s, b_s):
 
 
 def time_configs(results: dict, deadline: float, quick: bool, shapes=TIMED_SHAPES, ms=TIMED_M,
-                 only: str | None = None, unscaled: bool = False):
+                 only: str | None = None, unscaled: bool = False, torch: bool = False):
   """Pass 1: the heuristic's config and the cuBLASLt yardstick everywhere (and, with `unscaled`, the heuristic's
   config without the promotion at M > 64). Pass 2: the sweep candidates."""
   weights = {}
@@ -350,10 +353,31 @@ def time_configs(results: dict, deadline: float, quick: bool, shapes=TIMED_SHAPE
           f"floor x{row['floor_ratio']:.2f}" + (f" rel_err {row['rel_err_vs_unscaled_product']:.1e} vs the unscaled "
           "product" if name == "default_unscaled" else ""), flush=True)
 
+  torch_mm = bench_gemm._TorchScaledMM() if torch else None
+
+  def measure_torch(m, n, k):
+    a_q, a_s = activations[m, k]
+    arg_sets = [(a_q, b_q, a_s, b_s) for b_q, b_s in weights[n, k]]
+    rows, blocks = _bench_io.sample_rows_and_blocks(m, n, 128)
+    expected, cols = bench_gemm.sample_reference(*arg_sets[0], (128, 128), rows, blocks)
+
+    def record(name, us=None, err=None, error=None, note=None):
+      row = dict(case=f"M={m} N={n} K={k} {name}", m=m, n=n, k=k, config=name)
+      row.update(dict(error=error) if error is not None else dict(us=us, tflops=2.0 * m * n * k / us / 1e6,
+                                                                   rel_err=err, note=note))
+      results["timings"].append(row)
+      print(f"time {row['case']:44s}: " + (f"{us:9.1f} us {row['tflops']:7.1f} TFLOP/s" if error is None else error),
+            flush=True)
+
+    bench_gemm._run_torch(torch_mm, arg_sets, m, (128, 128), expected, rows, cols, 20 if m <= 256 else 10, record,
+                          timing.median_kernel_us)
+
   for n, k in shapes:
     for m in ms:
       measure(m, n, k, "default", gm.default_config(m, n, k))
       measure(m, n, k, "xla_fp8_dot", "xla")
+      if torch_mm is not None and time.monotonic() < deadline:
+        measure_torch(m, n, k)
       if unscaled and m > gm.WGMMA_M:
         with unscaled_promotion():
           measure(m, n, k, "default_unscaled", gm.default_config(m, n, k))
@@ -368,7 +392,7 @@ def time_configs(results: dict, deadline: float, quick: bool, shapes=TIMED_SHAPE
 def summarize(results: dict):
   best: dict[tuple[int, int, int], dict] = {}
   for row in results["timings"]:
-    if "us" not in row or row["config"] in ("xla_fp8_dot", "default_unscaled"):
+    if "us" not in row or row["config"] in ("xla_fp8_dot", "default_unscaled", "torch_scaled_mm"):
       continue
     key = (row["m"], row["n"], row["k"])
     if key not in best or row["us"] < best[key]["us"]:
@@ -394,6 +418,7 @@ def main() -> int:
                            "balanced per-column-scale widths of each N, decode or 128-row tiles by M; choices: "
                            "every schedule gemm_mosaic.default_config weighs at M > 64)")
   parser.add_argument("--unscaled", action="store_true", help="add the no-promotion diagnostic rows (docstring)")
+  parser.add_argument("--torch", action="store_true", help="add torch _scaled_mm blockwise rows (docstring)")
   args = parser.parse_args()
   shapes = TIMED_SHAPES if args.shapes is None else [
       tuple(int(v) for v in pair.split(",")) for pair in args.shapes.split(";")]
@@ -412,7 +437,7 @@ def main() -> int:
       # tests check those kernels), so they check the heuristic's configs alone.
       candidates = CANDIDATES if args.only is None else GROUPS.get(args.only, {})
       failures = check_configs(results, start + 0.35 * args.budget_s, candidates)
-    time_configs(results, start + args.budget_s, args.quick, shapes, ms, args.only, args.unscaled)
+    time_configs(results, start + args.budget_s, args.quick, shapes, ms, args.only, args.unscaled, args.torch)
     summarize(results)
   finally:
     results["elapsed_s"] = time.monotonic() - start
