@@ -49,7 +49,8 @@ fill of a tile's missing rows is slow (H200: M=16 N=7168 K=18432 43.4 us as is, 
 so callers pass the quantizer's 64-row buffers with `out_rows=M` (jaxfp8.linear does). Swapping A and B (the weight
 on the wgmma M side) would not read fewer bytes, and would need a transposed epilogue. The small-M configs use a
 64-row tile, one consumer warpgroup, column tiles narrow enough to spread the weight over the SMs, two K blocks per
-pipeline step and one CTA per tile. (Widths that balance N over all 132 SMs, e.g. 128 tiles of 80 columns for
+pipeline step, one CTA per tile, and each step's weight scales loaded a step early (their load latency would
+otherwise stall a step whose wgmmas are short). (Widths that balance N over all 132 SMs, e.g. 128 tiles of 80 columns for
 N=10240, measured no faster than 80 tiles of 128: the weight stream, not the SM count, sets the time.) The same
 schedule serves M = 65..128 as two row tiles where its CTAs fill most of a wave (`default_config`).
 """
@@ -105,6 +106,10 @@ class MosaicGemmConfig:
   cluster_dim: persistent warp-specialized only: pair CTAs in a cluster of 2 along this dimension; the operand
     tile the two share (B for Dim.M, A and its scales for Dim.N) is loaded once and multicast to both by TMA,
     halving its L2 traffic.
+  weight_scales_ahead: load each pipeline step's weight scales (scalar global loads) one step early and carry them,
+    so that their latency hides behind a whole step. Pays in the decode schedule, where a step's wgmmas are short
+    (H200, M=64: Qwen3 qkv 15.81 vs 16.48 us, dense_down 35.63 vs 36.03); costs elsewhere (M=1024 128x256 tiles
+    4% slower, M=256 128x160 tiles scaled per column 1.5x), so the prefill schedules leave it off.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -119,6 +124,7 @@ class MosaicGemmConfig:
   persistent: bool = True
   grid_size: int | None = None
   cluster_dim: Dim | None = None
+  weight_scales_ahead: bool = False
 
   @property
   def num_wgs(self) -> int:
@@ -215,29 +221,46 @@ def _weight_scales(bs_gmem, col_ids, k_block, sub_col0, cfg: MosaicGemmConfig, n
   return jnp.where(col_ids < (first + 1) * BLOCK - sub_col0, scale, next_scale)
 
 
+def _step_weight_scales(bs_gmem, k_step, col0, cfg: MosaicGemmConfig, num_k_blocks: int, num_n_blocks: int):
+  """The weight scales of pipeline step k_step, one per (K block, sub-tile) (`_weight_scales`). A K block past K
+  (clamped; also the prefetch one step past the last) has zero partials (TMA zero fill)."""
+  col_ids = None
+  if cfg.scales_per_column:
+    col_ids = plgpu.broadcasted_iota(jnp.int32, (cfg.sub_n,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+  kbps, subs_n = cfg.k_blocks_per_step, cfg.wg_tile[1] // cfg.sub_n
+  return tuple(
+      _weight_scales(bs_gmem, col_ids, jnp.minimum(k_step * kbps + kb, num_k_blocks - 1), col0 + j * cfg.sub_n,
+                     cfg, num_n_blocks)
+      for kb in range(kbps) for j in range(subs_n))
+
+
+def _initial_carry(bs_gmem, col0, cfg: MosaicGemmConfig, num_k_blocks: int, num_n_blocks: int):
+  """The pipeline's carry before step 0: zero accumulators, and step 0's weight scales with
+  `cfg.weight_scales_ahead` (else nothing)."""
+  ahead = _step_weight_scales(bs_gmem, 0, col0, cfg, num_k_blocks, num_n_blocks) if cfg.weight_scales_ahead else ()
+  return _zero_accumulators(cfg), ahead
+
+
 def _scaled_mma_step(
-    accs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg: MosaicGemmConfig, num_k_blocks: int,
+    carry, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg: MosaicGemmConfig, num_k_blocks: int,
     num_n_blocks: int,
 ):
   """One pipeline step of one consumer warpgroup: accs[i, j] += sum over the step's K blocks of scaled partials.
 
+  carry: (accs, this step's weight scales if `cfg.weight_scales_ahead` else ()); returns the next step's.
   a_smem: (wg_m, bk) rows of this warpgroup; b_smem: (wg_n, bk) columns of this warpgroup; as_smem: (kbps, wg_m)
   activation scales; bs_gmem: the (N // 128, K // 128) weight scales; col0: the warpgroup's first output column;
   k_step: the pipeline step.
   """
+  accs, b_scales = carry
   wg_m, wg_n = cfg.wg_tile
   sub_n, kbps = cfg.sub_n, cfg.k_blocks_per_step
   subs_m, subs_n = wg_m // WGMMA_M, wg_n // sub_n
-  col_ids = None
-  if cfg.scales_per_column:
-    col_ids = plgpu.broadcasted_iota(jnp.int32, (sub_n,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-  # Scalars first: their global-memory latency hides behind the wgmmas. A K block past K (clamped) has zero
-  # partials (TMA zero fill).
-  b_scales = {}
-  for kb in range(kbps):
-    k_block = jnp.minimum(k_step * kbps + kb, num_k_blocks - 1)
-    for j in range(subs_n):
-      b_scales[kb, j] = _weight_scales(bs_gmem, col_ids, k_block, col0 + j * sub_n, cfg, num_n_blocks)
+  # Scalars first: their global-memory latency hides behind the wgmmas (or, loaded a step ahead, behind a step).
+  if cfg.weight_scales_ahead:
+    next_b_scales = _step_weight_scales(bs_gmem, k_step + 1, col0, cfg, num_k_blocks, num_n_blocks)
+  else:
+    b_scales, next_b_scales = _step_weight_scales(bs_gmem, k_step, col0, cfg, num_k_blocks, num_n_blocks), ()
   new_accs = list(accs)
   for i in range(subs_m):
     rows = pl.ds(i * WGMMA_M, WGMMA_M)
@@ -258,16 +281,16 @@ def _scaled_mma_step(
           shape = (WGMMA_M, sub_n)
           if cfg.scales_per_column:
             scale = (lax.broadcast_in_dim(row_scales[kb], shape, [0])
-                     * lax.broadcast_in_dim(b_scales[kb, j], shape, [1]))
+                     * lax.broadcast_in_dim(b_scales[kb * subs_n + j], shape, [1]))
           else:
-            scale = lax.broadcast_in_dim(row_scales[kb] * b_scales[kb, j], shape, [0])
+            scale = lax.broadcast_in_dim(row_scales[kb] * b_scales[kb * subs_n + j], shape, [0])
           acc = acc + partial * scale
         return acc
 
       new_accs[i * subs_n + j] = pl.run_scoped(
           issue_and_scale, *(plgpu.ACC((WGMMA_M, sub_n), jnp.float32) for _ in range(kbps))
       )
-  return tuple(new_accs)
+  return tuple(new_accs), next_b_scales
 
 
 def _finish_subtile(acc, bias_gmem, col0, n: int, out_dtype, sub_n: int):
@@ -342,19 +365,21 @@ def _simple_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, out_sm
   n_idx = lax.axis_index("n")
   m_idx = lax.axis_index("m")
 
-  def step(indices, a_smem, b_smem, as_smem, accs):
+  col0 = n_idx * cfg.tile_n
+
+  def step(indices, a_smem, b_smem, as_smem, carry):
     (k_step,) = indices
     return _scaled_mma_step(
-        accs, a_smem, b_smem, as_smem, bs_gmem, k_step=k_step, col0=n_idx * cfg.tile_n, cfg=cfg,
-        num_k_blocks=num_k_blocks, num_n_blocks=num_n_blocks,
+        carry, a_smem, b_smem, as_smem, bs_gmem, k_step=k_step, col0=col0, cfg=cfg, num_k_blocks=num_k_blocks,
+        num_n_blocks=num_n_blocks,
     )
 
-  accs = plgpu.emit_pipeline(
+  accs, _ = plgpu.emit_pipeline(
       step,
       grid=(pl.cdiv(num_k_blocks, cfg.k_blocks_per_step),),
       in_specs=_in_specs(cfg, m_idx, n_idx),
       max_concurrent_steps=cfg.max_concurrent_steps,
-      init_carry=_zero_accumulators(cfg),
+      init_carry=_initial_carry(bs_gmem, col0, cfg, num_k_blocks, num_n_blocks),
   )(a_gmem, b_gmem, as_gmem)
   _epilogue(accs, out_smem.at[0], out_gmem, bias_gmem, m_idx * cfg.tile_m, n_idx * cfg.tile_n, cfg)
   plgpu.wait_smem_to_gmem(0)
@@ -402,13 +427,13 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, *, cfg: Mo
       col0 = n_idx * cfg.tile_n + wg_col0
 
       def compute_context(run_pipeline):
-        accs = run_pipeline(_zero_accumulators(cfg))
+        accs, _ = run_pipeline(_initial_carry(bs_gmem, col0, cfg, num_k_blocks, num_n_blocks))
         _epilogue(accs, out_smem.at[wg_idx], out_gmem, bias_gmem, row0, col0, cfg)
 
-      def mma_body(indices, a_smem, b_smem, as_smem, accs):
+      def mma_body(indices, a_smem, b_smem, as_smem, carry):
         (k_step,) = indices
         return _scaled_mma_step(
-            accs,
+            carry,
             a_smem.at[pl.ds(wg_row0, wg_m)],
             b_smem.at[pl.ds(wg_col0, wg_n)],
             as_smem.at[:, pl.ds(wg_row0, wg_m)],
@@ -567,7 +592,7 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int 
   else:
     config = MosaicGemmConfig(
         tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
-        persistent=False, epi_tile_n=epi_tile_n,
+        persistent=False, epi_tile_n=epi_tile_n, weight_scales_ahead=True,
     )
   return _fit_smem(config, out_dtype, pl.cdiv(k // BLOCK, config.k_blocks_per_step))
 

@@ -204,19 +204,22 @@ class _UnscaledPlgpu:
   @staticmethod
   def emit_pipeline_warp_specialized(body, *, compute_context, **kwargs):
     def context(run_pipeline):
-      def run_with_accumulators(init_values):
+      def run_with_accumulators(init_carry):
+        init_values, weight_scales = init_carry
         def scope(*acc_refs):
-          run_pipeline(acc_refs)
-          return tuple(ref[...] for ref in acc_refs)
+          run_pipeline((acc_refs, weight_scales))
+          return tuple(ref[...] for ref in acc_refs), weight_scales
         return pl.run_scoped(scope, *(plgpu.ACC(v.shape, jnp.float32) for v in init_values))
       return compute_context(run_with_accumulators)
     return plgpu.emit_pipeline_warp_specialized(body, compute_context=context, **kwargs)
 
 
-def _unscaled_step(acc_refs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg, num_k_blocks, num_n_blocks):
+def _unscaled_step(carry, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg, num_k_blocks, num_n_blocks):
   """The step of gm._scaled_mma_step with the promotion taken out: every K block accumulates in the wgmma
-  accumulator; one wait per step, so that the pipeline may release the step's SMEM."""
+  accumulator; one wait per step, so that the pipeline may release the step's SMEM. The carry's weight scales pass
+  through unused."""
   del as_smem, bs_gmem, k_step, col0, num_k_blocks, num_n_blocks
+  acc_refs, _ = carry
   wg_m, wg_n = cfg.wg_tile
   subs_n = wg_n // cfg.sub_n
   for i in range(wg_m // gm.WGMMA_M):
@@ -226,7 +229,7 @@ def _unscaled_step(acc_refs, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, 
         plgpu.wgmma(acc_refs[i * subs_n + j], a_smem.at[pl.ds(i * gm.WGMMA_M, gm.WGMMA_M), ks],
                     b_smem.at[pl.ds(j * cfg.sub_n, cfg.sub_n), ks].T)
   plgpu.wgmma_wait(0)
-  return acc_refs
+  return carry
 
 
 @contextlib.contextmanager

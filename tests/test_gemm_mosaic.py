@@ -66,6 +66,14 @@ KINDS: dict[str, MosaicGemmConfig] = {
     # Decode: one consumer warpgroup, one CTA per tile.
     "ws1_64x64": MosaicGemmConfig(tile_m=64, tile_n=64, max_concurrent_steps=4, num_compute_wgs=1, persistent=False),
     "ws1_64x128": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, num_compute_wgs=1, persistent=False),
+    # Weight scales loaded a pipeline step ahead and carried: the decode default, the simple kernel, and two
+    # warpgroups looping over tiles (the carry starts afresh at every tile).
+    "ws1_64x128_k2_ahead": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
+                                            num_compute_wgs=1, persistent=False, weight_scales_ahead=True),
+    "simple_128x256_ahead": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=2, warp_specialized=False,
+                                             weight_scales_ahead=True),
+    "ws2_n_128x256_ahead": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=2, wg_split=Dim.N,
+                                            grid_size=2, weight_scales_ahead=True),
 }
 
 
@@ -76,6 +84,10 @@ COLUMN_KINDS: dict[str, tuple[MosaicGemmConfig, int, int, Any]] = {
     # Decode widths: 80 (N=10240 in 128 tiles), two K blocks per step, bf16 out (16-column epilogue).
     "ws1_64x80_k2": (MosaicGemmConfig(tile_m=64, tile_n=80, max_concurrent_steps=2, k_blocks_per_step=2,
                                       num_compute_wgs=1, persistent=False), 640, 4, jnp.bfloat16),
+    # The same with the per-column weight-scale vectors loaded a step ahead and carried.
+    "ws1_64x80_k2_ahead": (MosaicGemmConfig(tile_m=64, tile_n=80, max_concurrent_steps=2, k_blocks_per_step=2,
+                                            num_compute_wgs=1, persistent=False, weight_scales_ahead=True),
+                           640, 4, jnp.bfloat16),
     # 56 (N=7168 in 128 tiles): 8-column epilogue stores, unswizzled 16-byte rows in bf16, 32-byte in f32.
     "ws1_64x56_bf16": (MosaicGemmConfig(tile_m=64, tile_n=56, max_concurrent_steps=3, num_compute_wgs=1,
                                         persistent=False), 896, 13, jnp.bfloat16),
