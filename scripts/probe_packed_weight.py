@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 
 import jax
@@ -89,7 +90,7 @@ def main() -> None:
     widths = [base.tile_n] if args.tile_n == "default" else [int(w) for w in args.tile_n.split(",")]
     floor_us = n * k / bench_gemm.HBM_BYTES_PER_S * 1e6
     for tile_n in widths:
-      config = gm._fit_smem(gm.MosaicGemmConfig(**{**base.__dict__, "tile_n": tile_n}), jnp.bfloat16,
+      config = gm._fit_smem(dataclasses.replace(base, tile_n=tile_n), jnp.bfloat16,
                             k // (gm.BLOCK * base.k_blocks_per_step))
       bk = gm.BLOCK * config.k_blocks_per_step
       plain_fn = jax.jit(lambda a, b, sa, sb, config=config: gm.block_fp8_matmul(
