@@ -15,8 +15,11 @@ $(VENV)/.installed: pyproject.toml
 run: $(VENV)/.installed
 	$(PY) -m jaxfp8
 
+# One seed for the whole run, printed first (and in pytest's header): JAXFP8_TEST_SEED=<seed> make test reproduces it.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 -p no:cacheprovider
+	@seed=$${JAXFP8_TEST_SEED:-$$($(PY) -c 'import secrets; print(secrets.randbelow(2**32))')}; \
+	echo "JAXFP8_TEST_SEED=$$seed"; \
+	JAXFP8_TEST_SEED=$$seed $(PY) -m pytest -q -n 2 -p no:cacheprovider
 
 bench-cpu: $(VENV)/.installed
 	$(PY) -m jaxfp8 bench --shapes='$(BENCH_CPU_SHAPES)' --iterations=3 --out=build/bench_cpu.json

@@ -1,4 +1,10 @@
-"""Test configuration: GPU-marked tests skip where there is no suitable GPU; fresh random seeds per test."""
+"""Test configuration: GPU-marked tests skip where there is no suitable GPU; fresh random seeds per run.
+
+One base seed per run, `JAXFP8_TEST_SEED` (drawn when unset, and set in the environment so that pytest-xdist's
+workers share it), seeds every random input: the `rng` fixture (per test, from the base seed and the test's id) and
+hypothesis (`--hypothesis-seed`). The seed is printed in the session header, so any failure reproduces with
+`JAXFP8_TEST_SEED=<seed> make test`.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,24 @@ import numpy as np
 import pytest
 
 from jaxfp8 import _platform
+
+BASE_SEED = int(os.environ.setdefault("JAXFP8_TEST_SEED", str(np.random.SeedSequence().entropy % (2**32))))
+
+
+def seeded_rng(name: str) -> np.random.Generator:
+  """A generator for `name` (a test id, a cached problem's name) under this run's base seed."""
+  return np.random.default_rng((BASE_SEED + zlib.crc32(name.encode())) % (2**32))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+  # Hypothesis draws its examples from this seed unless one is given on the command line.
+  if hasattr(config.option, "hypothesis_seed") and config.option.hypothesis_seed is None:
+    config.option.hypothesis_seed = BASE_SEED
+
+
+def pytest_report_header(config):
+  return f"JAXFP8_TEST_SEED={BASE_SEED} (reproduce a run with JAXFP8_TEST_SEED={BASE_SEED} make test)"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,11 +49,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def rng(request):
   """A generator seeded per test and per run: fresh inputs every run, reproducible with JAXFP8_TEST_SEED=<printed seed>."""
-  base = int(os.environ.get("JAXFP8_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
-  seed = (base + zlib.crc32(request.node.nodeid.encode())) % (2**32)
-  request.node.user_properties.append(("seed", base))
-  print(f"JAXFP8_TEST_SEED={base}")
-  return np.random.default_rng(seed)
+  request.node.user_properties.append(("seed", BASE_SEED))
+  print(f"JAXFP8_TEST_SEED={BASE_SEED}")
+  return seeded_rng(request.node.nodeid)
 
 
 def pytest_runtest_logreport(report):

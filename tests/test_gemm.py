@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conftest
+
 from jaxfp8 import _platform, gemm, gemm_configs, gemm_xla
 from jaxfp8 import reference as ref
 from jaxfp8 import shapes
@@ -558,7 +560,7 @@ GPU_SHAPES = [("deepseek_v3", "q_a_proj"), ("deepseek_v3", "kv_a_proj_with_mqa")
 def _gpu_problem(model: str, name: str) -> tuple[Problem, np.ndarray]:
   """257 rows of one full-size problem and its reference (generated once: the weights are large)."""
   n, k = SHAPES[model][name]
-  problem = make_problem(np.random.default_rng(), 257, n, k, (128, 128), bias=True)
+  problem = make_problem(conftest.seeded_rng(f"{model}.{name}"), 257, n, k, (128, 128), bias=True)
   return problem, problem.reference()
 
 
@@ -606,15 +608,15 @@ def test_gpu_out_rows_of_padded_decode_buffers(model, name, implementation):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", ["triton", "xla", None])
-def test_gpu_exactness_check_is_bit_exact(implementation):
-  problem = make_problem(np.random.default_rng(), 64, 1088, 2048, (128, 128), column_major=True, bias=True, exact=True)
+def test_gpu_exactness_check_is_bit_exact(implementation, rng):
+  problem = make_problem(rng, 64, 1088, 2048, (128, 128), column_major=True, bias=True, exact=True)
   out = np.asarray(problem.call(out_dtype=F32, implementation=implementation))
   np.testing.assert_array_equal(out, ref.cast_output(problem.reference(), np.float32))
 
 
 @pytest.mark.gpu
-def test_gpu_large_m_prefill_matches_reference():
-  problem = make_problem(np.random.default_rng(), 4096, 1536, 7168, (128, 128), column_major=True, bias=True)
+def test_gpu_large_m_prefill_matches_reference(rng):
+  problem = make_problem(rng, 4096, 1536, 7168, (128, 128), column_major=True, bias=True)
   out = problem.call(out_dtype=F32, implementation="triton")
   assert_close(out, problem, F32)
 
@@ -625,8 +627,8 @@ def test_gpu_large_m_prefill_matches_reference():
                                     _cfg(128, 256, 256, num_warps=8, num_stages=2),
                                     _cfg(16, 64, 128, split_k=4, swap_ab=True, num_stages=4),
                                     _cfg(64, 64, 128, split_k=2, swap_ab=True)])
-def test_gpu_triton_configs_compile_and_match(config):
-  problem = make_problem(np.random.default_rng(), 130, 7748, 3884, (128, 128), column_major=True, bias=True)
+def test_gpu_triton_configs_compile_and_match(config, rng):
+  problem = make_problem(rng, 130, 7748, 3884, (128, 128), column_major=True, bias=True)
   out = problem.call(out_dtype=F32, implementation="triton", config=config)
   assert_close(out, problem, F32)
 
