@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,3 +45,48 @@ def float_dtype(name: str, value) -> jnp.dtype:
   if dtype not in FLOAT_DTYPES:
     raise ValueError(f"{name} must be bfloat16, float16 or float32, got {dtype}")
   return dtype
+
+
+def array(name: str, x, dtypes: Sequence[jnp.dtype], ndim: int | None = 2) -> None:
+  """x is an array (or ShapeDtypeStruct) of one of `dtypes` with `ndim` dimensions (None: any)."""
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if jnp.dtype(x.dtype) not in dtypes:
+    names = " or ".join(str(d) for d in dtypes)
+    raise TypeError(f"{name} must have dtype {names}, got {x.dtype}")
+  if ndim is not None and len(x.shape) != ndim:
+    raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+
+
+def block_size(value) -> tuple[int, int]:
+  """A weight scale block (gn, gk) of positive Python ints (static: a traced value is refused with the reason)."""
+  if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    raise TypeError(f"block_size must be a pair (gn, gk) of positive ints, got {value!r}")
+  if len(value) != 2:
+    raise ValueError(f"block_size must be a pair (gn, gk), got {len(value)} values: {tuple(value)!r}")
+  for name, v in zip(("gn", "gk"), value):
+    if hasattr(v, "aval") or type(v).__name__.endswith("Tracer"):
+      raise TypeError(f"block_size must be static Python ints, got a traced {name}={v!r}: under jax.jit, pass "
+                      "block_size through static_argnames or functools.partial")
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+      raise TypeError(f"block_size must be a pair of ints, got {name}={v!r} in {tuple(value)!r}")
+    if v <= 0:
+      raise ValueError(f"block_size must be positive, got {name}={v} in {tuple(value)!r}")
+  return int(value[0]), int(value[1])
+
+
+# float32(1/448): a scale is amax * R (docs/CONTRACT.md §0).
+R = float(np.float32(1.0 / 448.0))
+# The smallest eps whose scale eps * R is a normal float32: hardware that flushes subnormals to zero would turn the
+# scale of an all-zero group into 0 and every code of the group into 0/0 = NaN.
+MIN_EPS = float(np.nextafter(np.float32(np.finfo(np.float32).tiny / np.float32(R)), np.float32(np.inf)))
+
+
+def eps(value) -> float:
+  """The floor of a group's absolute maximum: a positive finite number whose scale eps * R is a normal float32."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value > 0 and math.isfinite(value)):
+    raise ValueError(f"eps must be a positive finite number, got {value!r}")
+  if np.float32(value) * np.float32(R) < np.finfo(np.float32).tiny:
+    raise ValueError(f"eps must be at least {MIN_EPS:.4g} (its scale eps / 448 must be a normal float32, or an "
+                     f"all-zero group's scale flushes to 0 and its codes become NaN), got {value!r}")
+  return float(value)

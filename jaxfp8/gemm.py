@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import importlib
 import numbers
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,33 +82,6 @@ def mosaic_unsupported_reason(m: int, n: int, k: int, block_size: tuple[int, int
   if m % 4 or m == 0:
     return f"it needs M % 4 == 0 (TMA rows of the column-major scales), got M={m}; pad the rows to a multiple of 4"
   return None
-
-
-def _check_block_size(block_size) -> tuple[int, int]:
-  if isinstance(block_size, (str, bytes)) or not isinstance(block_size, Sequence):
-    raise TypeError(f"block_size must be a pair (gn, gk) of positive ints, got {block_size!r}")
-  if len(block_size) != 2:
-    raise ValueError(f"block_size must be a pair (gn, gk), got {len(block_size)} values: {tuple(block_size)!r}")
-  for name, value in zip(("gn", "gk"), block_size):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-      raise TypeError(f"block_size must be a pair of ints, got {name}={value!r} in {tuple(block_size)!r}")
-    if value <= 0:
-      raise ValueError(f"block_size must be positive, got {name}={value} in {tuple(block_size)!r}")
-  return int(block_size[0]), int(block_size[1])
-
-
-def _check_array(name: str, x, dtypes: Sequence[jnp.dtype], ndim: int | None = 2) -> None:
-  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if jnp.dtype(x.dtype) not in dtypes:
-    names = " or ".join(str(d) for d in dtypes)
-    raise TypeError(f"{name} must have dtype {names}, got {x.dtype}")
-  if ndim is not None and len(x.shape) != ndim:
-    raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
-
-
-def _check_out_dtype(out_dtype) -> jnp.dtype:
-  return _checks.float_dtype("out_dtype", out_dtype)
 
 
 # Decode on Hopper: up to this many live rows the tuned Triton kernel beats the Mosaic small-M kernel. H200, CUPTI,
@@ -206,15 +178,15 @@ def w8a8_block_fp8_matmul(
 
   All arguments but the arrays are static: inside `jax.jit`, bind them with functools.partial or static_argnames.
   """
-  _check_array("a_q", a_q, (FP8,))
-  _check_array("b_q", b_q, (FP8,))
-  _check_array("a_s", a_s, (jnp.dtype(jnp.float32),))
-  _check_array("b_s", b_s, (jnp.dtype(jnp.float32),))
-  gn, gk = _check_block_size(block_size)
+  _checks.array("a_q", a_q, (FP8,))
+  _checks.array("b_q", b_q, (FP8,))
+  _checks.array("a_s", a_s, (jnp.dtype(jnp.float32),))
+  _checks.array("b_s", b_s, (jnp.dtype(jnp.float32),))
+  gn, gk = _checks.block_size(block_size)
   block_size = (gn, gk)
   a_s_column_major = _checks.flag("a_s_column_major", a_s_column_major)
   interpret = _checks.interpret(interpret)
-  out_dtype = _check_out_dtype(out_dtype)
+  out_dtype = _checks.float_dtype("out_dtype", out_dtype)
   m, k = a_q.shape
   n, k_b = b_q.shape
   if k_b != k:
@@ -236,7 +208,7 @@ def w8a8_block_fp8_matmul(
         f"b_s must have shape (ceil(N/gn), ceil(K/gk)) = ({n_blocks}, {groups}) for N={n}, K={k}, "
         f"block_size={block_size}; got {tuple(b_s.shape)}")
   if bias is not None:
-    _check_array("bias", bias, OUT_DTYPES, ndim=None)
+    _checks.array("bias", bias, OUT_DTYPES, ndim=None)
     if tuple(bias.shape) != (n,):
       raise ValueError(f"bias must have shape (N,) = ({n},), got {tuple(bias.shape)}")
   if out_rows is not None and (isinstance(out_rows, bool) or not isinstance(out_rows, numbers.Integral)

@@ -339,9 +339,9 @@ def _validate(x, w_q, w_s, bias, block_size, out_dtype) -> tuple[tuple[int, int]
     raise TypeError(f"x must be bfloat16, float16 or float32, got dtype {x.dtype}")
   if len(x.shape) < 1:
     raise ValueError(f"x must have at least 1 dimension (..., K), got shape {tuple(x.shape)}")
-  gemm._check_array("w_q", w_q, (FP8,))
-  gemm._check_array("w_s", w_s, (F32,))
-  gn, gk = gemm._check_block_size(block_size)
+  _checks.array("w_q", w_q, (FP8,))
+  _checks.array("w_s", w_s, (F32,))
+  gn, gk = _checks.block_size(block_size)
   n, k = w_q.shape
   if x.shape[-1] != k:
     raise ValueError(f"x (..., K) and w_q (N, K) must share K: x has shape {tuple(x.shape)}, "
@@ -353,10 +353,10 @@ def _validate(x, w_q, w_s, bias, block_size, out_dtype) -> tuple[tuple[int, int]
     raise ValueError(f"w_s must have shape (ceil(N/gn), ceil(K/gk)) = {expected} for N={n}, K={k}, "
                      f"block_size={(gn, gk)}; got {tuple(w_s.shape)}")
   if bias is not None:
-    gemm._check_array("bias", bias, OUT_DTYPES, ndim=None)
+    _checks.array("bias", bias, OUT_DTYPES, ndim=None)
     if tuple(bias.shape) != (n,):
       raise ValueError(f"bias must have shape (N,) = ({n},), got {tuple(bias.shape)}")
-  out_dtype = jnp.dtype(x.dtype) if out_dtype is None else gemm._check_out_dtype(out_dtype)
+  out_dtype = jnp.dtype(x.dtype) if out_dtype is None else _checks.float_dtype("out_dtype", out_dtype)
   return (gn, gk), out_dtype
 
 
@@ -408,7 +408,7 @@ def explain(
   for name, a in (("x", x), ("w_q", w_q)):
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
       raise TypeError(f"{name} must be an array or a jax.ShapeDtypeStruct, got {type(a).__name__}")
-  block_size = gemm._check_block_size(block_size)
+  block_size = _checks.block_size(block_size)
   w_s = jax.ShapeDtypeStruct((-(-w_q.shape[0] // block_size[0]), -(-w_q.shape[1] // block_size[1])), F32)
   block_size, out_dtype = _validate(x, w_q, w_s, None, block_size, out_dtype)
   options = _Options(implementation, quant_implementation, row_alignment, config, interpret)

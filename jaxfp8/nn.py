@@ -26,7 +26,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
   raise ImportError("jaxfp8.nn needs Flax: pip install 'jaxfp8[nn]' (or pip install flax)") from e
 
-from jaxfp8 import gemm, linear, quant, weights
+from jaxfp8 import _checks, gemm, linear, quant, weights
 from jaxfp8.weights import Fp8LinearWeight
 
 DEFAULT_BLOCK_SIZE = weights.DEFAULT_BLOCK_SIZE
@@ -73,7 +73,7 @@ class Fp8Linear(nnx.Module):
       rngs: nnx.Rngs | None = None,
       weight: Fp8LinearWeight | None = None,
   ):
-    gn, gk = gemm._check_block_size(block_size)
+    gn, gk = _checks.block_size(block_size)
     for name, value in (("in_features", in_features), ("out_features", out_features)):
       if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -125,9 +125,9 @@ class Fp8Linear(nnx.Module):
                    **options) -> Fp8Linear:
     """A layer holding checkpoint tensors: w_q (N, K) e4m3fn (`weight`), w_s float32 (`weight_scale_inv`), and an
     optional (N,) bias of any float dtype (kept in float32)."""
-    gemm._check_array("w_q", w_q, (gemm.FP8,))
-    gemm._check_array("w_s", w_s, (jnp.dtype(jnp.float32),))
-    weights._check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), gemm._check_block_size(block_size), "w_s")
+    _checks.array("w_q", w_q, (gemm.FP8,))
+    _checks.array("w_s", w_s, (jnp.dtype(jnp.float32),))
+    weights._check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), _checks.block_size(block_size), "w_s")
     # The bias is kept in float32, the precision the GEMM adds it in: a bf16 bias would cost a convert kernel per call.
     bias = None if bias is None else jnp.asarray(bias).astype(jnp.float32)
     if bias is not None and tuple(bias.shape) != (w_q.shape[0],):
@@ -188,7 +188,7 @@ def quantize_linears(
   predicate(path, layer) picks the layers (default: those whose in_features is a multiple of block_size[1]; others,
   such as a small router, stay in float). Returns the paths of the replaced layers. `options` go to Fp8Linear.
   """
-  gn, gk = gemm._check_block_size(block_size)
+  gn, gk = _checks.block_size(block_size)
   if predicate is None:
     predicate = lambda path, layer: layer.in_features % gk == 0
   targets = [(path, sub) for path, sub in nnx.iter_modules(module)

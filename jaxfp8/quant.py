@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -138,8 +136,7 @@ def per_token_group_quant_fp8(
   interpret = _checks.interpret(interpret)
   group_size = _checks.positive_int("group_size", group_size)
   row_alignment = _checks.positive_int("row_alignment", row_alignment)
-  if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (eps > 0 and math.isfinite(eps)):
-    raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+  eps = _checks.eps(eps)
   if pack_ue8m0 and not scale_ue8m0:
     raise ValueError("pack_ue8m0=True requires scale_ue8m0=True (only power-of-two scales pack into exponent bytes)")
   if scale_tma_aligned and not (column_major_scales or pack_ue8m0):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import numbers
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxfp8 import _checks, _exact_division, gemm, gemm_xla
+from jaxfp8 import _checks, _exact_division, gemm_xla
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
@@ -92,10 +91,8 @@ def quantize_weight_blockwise(w, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZ
   differ by one fp8 step where XLA turns the division into a reciprocal multiply (rare).
   """
   _check_weight(w)
-  gn, gk = gemm._check_block_size(block_size)
-  if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 < eps < float("inf")):
-    raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-  return _quantize_weight(jnp.asarray(w), block_size=(gn, gk), eps=float(eps))
+  gn, gk = _checks.block_size(block_size)
+  return _quantize_weight(jnp.asarray(w), block_size=(gn, gk), eps=_checks.eps(eps))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eps"))
@@ -123,9 +120,9 @@ def dequantize_weight_blockwise(w_q, w_s, block_size: tuple[int, int] = DEFAULT_
                                 ) -> jax.Array:
   """The inverse of `quantize_weight_blockwise`: w_q * w_s (each scale over its block), computed in float32 and
   returned in `dtype`."""
-  gemm._check_array("w_q", w_q, (FP8,))
-  gemm._check_array("w_s", w_s, (jnp.dtype(jnp.float32),))
-  gn, gk = gemm._check_block_size(block_size)
+  _checks.array("w_q", w_q, (FP8,))
+  _checks.array("w_s", w_s, (jnp.dtype(jnp.float32),))
+  gn, gk = _checks.block_size(block_size)
   _check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), (gn, gk), "w_s")
   out_dtype = _checks.float_dtype("dtype", dtype)
   return _dequantize_weight(jnp.asarray(w_q), jnp.asarray(w_s), block_size=(gn, gk), dtype=out_dtype)
@@ -286,7 +283,7 @@ def load_hf_fp8_linears(
   if block_size is None:
     directory = Path(path) if isinstance(path, (str, os.PathLike)) and Path(path).is_dir() else files[0].parent
     block_size = read_block_size(directory) or DEFAULT_BLOCK_SIZE
-  block_size = gemm._check_block_size(block_size)
+  block_size = _checks.block_size(block_size)
 
   # Every tensor name -> its file, so that a weight and its scales may be in different files.
   location: dict[str, Path] = {}

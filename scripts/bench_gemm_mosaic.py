@@ -35,7 +35,6 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 
 from jaxfp8 import _bench_io, _platform, bench_gemm, timing
 from pallas_kernels import gemm_mosaic as gm
