@@ -99,7 +99,7 @@ def check() -> int:
 
 
 def bench_quant() -> None:
-  from jaxfp8 import bench_quant as bq
+  from jaxfp8.tools import bench_quant as bq
   from jaxfp8 import quant
   out = FLAGS.out or "benchmarks/quant_h200.json"
   result = bq.run(ms=_ints(FLAGS.m, bq.DEFAULT_MS), ks=_ints(FLAGS.k, bq.DEFAULT_KS),
@@ -115,12 +115,12 @@ def bench() -> None:
   import sys
   # JAX and torch may share the GPU: JAX must not take 75% of it up front (only effective before JAX starts).
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  from jaxfp8 import bench as bench_module
+  from jaxfp8.tools import bench as bench_module
   bench_module.main_from_flags(FLAGS, sys.argv)
 
 
 def plot() -> None:
-  from jaxfp8 import plot as plot_module
+  from jaxfp8.tools import plot as plot_module
   if not FLAGS.json:
     raise app.UsageError("plot needs --json=RESULTS.json (and --out=PLOT.png; default: beside the JSON)")
   out = FLAGS.out or FLAGS.json.removesuffix(".json") + ".png"
@@ -141,7 +141,7 @@ def main(argv):
 
 
 # Commands with their own argument parsers (argparse): everything after the command name is theirs.
-DELEGATED = {"bench_gemm": "jaxfp8.bench_gemm", "bench_linear": "jaxfp8.bench_linear", "tune": "jaxfp8.tune"}
+DELEGATED = {"bench_gemm": "jaxfp8.tools.bench_gemm", "bench_linear": "jaxfp8.tools.bench_linear", "tune": "jaxfp8.tools.tune"}
 
 
 if __name__ == "__main__":

@@ -77,16 +77,19 @@ def block_size(value) -> tuple[int, int]:
 
 # float32(1/448): a scale is amax * R (docs/CONTRACT.md §0).
 R = float(np.float32(1.0 / 448.0))
-# The smallest eps whose scale eps * R is a normal float32: hardware that flushes subnormals to zero would turn the
-# scale of an all-zero group into 0 and every code of the group into 0/0 = NaN.
-MIN_EPS = float(np.nextafter(np.float32(np.finfo(np.float32).tiny / np.float32(R)), np.float32(np.inf)))
+# The smallest scale eps may give. Below 2**-126 a scale is subnormal, and hardware that flushes subnormals would
+# make an all-zero group's scale 0 and its codes 0/0 = NaN; below 2**-116, a subnormal input x (which such hardware
+# reads as 0) could quantize to a nonzero code, |x / s| >= 2**-10. From 2**-116 on, every subnormal input gets code
+# 0 whether or not it is flushed, so every backend agrees with the reference.
+MIN_SCALE = 2.0**-116
+MIN_EPS = float(np.nextafter(np.float32(MIN_SCALE / R), np.float32(np.inf)))
 
 
 def eps(value) -> float:
-  """The floor of a group's absolute maximum: a positive finite number whose scale eps * R is a normal float32."""
+  """The floor of a group's absolute maximum: a positive finite number whose scale eps * R is at least MIN_SCALE."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value > 0 and math.isfinite(value)):
     raise ValueError(f"eps must be a positive finite number, got {value!r}")
-  if np.float32(value) * np.float32(R) < np.finfo(np.float32).tiny:
-    raise ValueError(f"eps must be at least {MIN_EPS:.4g} (its scale eps / 448 must be a normal float32, or an "
-                     f"all-zero group's scale flushes to 0 and its codes become NaN), got {value!r}")
+  if np.float32(value) * np.float32(R) < np.float32(MIN_SCALE):
+    raise ValueError(f"eps must be at least {MIN_EPS:.4g} (its scale eps / 448 must be at least 2**-116, where "
+                     f"float32 subnormals, which some hardware flushes to zero, cannot change a code), got {value!r}")
   return float(value)

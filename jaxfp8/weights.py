@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxfp8 import _checks, _exact_division, gemm_xla
+from jaxfp8 import _checks
+from jaxfp8.gemm.xla import fp8_values
+from jaxfp8.kernels import exact_division as _exact_division
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
@@ -134,7 +136,7 @@ def _dequantize_weight(w_q, w_s, *, block_size, dtype):
   gn, gk = block_size
   nb, kb = w_s.shape
   s_full = jnp.broadcast_to(w_s[:, None, :, None], (nb, gn, kb, gk)).reshape(nb * gn, kb * gk)[:n, :k]
-  return (gemm_xla.fp8_values(w_q) * s_full).astype(dtype)  # codes kept as codes (see fp8_values)
+  return (fp8_values(w_q) * s_full).astype(dtype)  # codes kept as codes (see fp8_values)
 
 
 def _check_scale_shape(w_shape, s_shape, block_size, what: str) -> None:

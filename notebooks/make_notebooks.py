@@ -104,7 +104,7 @@ in the same run) and plots throughput against M. `python -m jaxfp8 bench --out=.
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from jaxfp8 import plot as jaxfp8_plot
+from jaxfp8.tools import plot as jaxfp8_plot
 
 root = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks").is_dir() and (p / "jaxfp8").is_dir())
 everything = {path.name: json.loads(path.read_text()) for path in sorted((root / "benchmarks").glob("*.json"))}

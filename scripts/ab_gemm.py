@@ -1,4 +1,4 @@
-"""A/B of one GEMM kernel between two source trees, in one process: this tree's pallas_kernels/gemm_<impl>.py
+"""A/B of one GEMM kernel between two source trees, in one process: this tree's jaxfp8/kernels/gemm_<impl>.py
 against a base tree's (e.g. a worktree of main), so that a kernel change is judged by the same machine state.
 
   git worktree add .wip/wt/base main
@@ -6,8 +6,8 @@ against a base tree's (e.g. a worktree of main), so that a kernel change is judg
       --shapes "64,7168,18432;4096,24576,7168"
 
 On the H200 the device copies the working tree only: carry the worktree (`carry=[".wip/wt"]`). Each shape runs both
-kernels with the same config (Mosaic: this tree's `default_config`; Triton: this tree's tuned table or heuristic,
-`jaxfp8.gemm.triton_config`), each called directly under its own `jax.jit` (the library's jitted entry point
+kernels with the same config (this tree's planner's choice, `jaxfp8.gemm.plan`), each called directly under its own
+`jax.jit` (the library's jitted entry point
 would serve one cached trace to both), checks that the outputs agree, then times them interleaved: `--reps` rounds
 of a CUPTI median of `--iterations` calls each, inputs rotated past L2; the best round of each is reported.
 `--interpret` runs the kernels in interpret mode with wall-clock timing, for a CPU smoke run on tiny shapes.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import pathlib
 import sys
@@ -25,33 +26,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import bench, bench_gemm, gemm, timing
+from jaxfp8 import _platform, gemm
+from jaxfp8.tools import bench, bench_gemm, timing
 
 BLOCK_SIZE = (128, 128)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_module(tree: str, implementation: str, alias: str):
-  """pallas_kernels/gemm_<implementation>.py of `tree`, imported under `alias` (so two trees' copies coexist)."""
-  spec = importlib.util.spec_from_file_location(alias, f"{tree}/pallas_kernels/gemm_{implementation}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[alias] = module  # dataclasses look their module up while the file executes
-  spec.loader.exec_module(module)
-  return module
+  """The gemm_<implementation> kernel module of `tree` (jaxfp8/kernels/, or pallas_kernels/ in older trees), imported
+  with its kernel package under `alias` (so two trees' copies coexist)."""
+  for folder in ("jaxfp8/kernels", "pallas_kernels"):
+    path = pathlib.Path(tree) / folder
+    if (path / f"gemm_{implementation}.py").is_file():
+      break
+  else:
+    raise FileNotFoundError(f"no gemm_{implementation}.py under {tree}/jaxfp8/kernels or {tree}/pallas_kernels")
+  spec = importlib.util.spec_from_file_location(alias, path / "__init__.py", submodule_search_locations=[str(path)])
+  package = importlib.util.module_from_spec(spec)
+  sys.modules[alias] = package  # dataclasses look their module up while the file executes
+  spec.loader.exec_module(package)
+  if folder == "pallas_kernels":  # older trees import their siblings by the absolute package name
+    sys.modules.setdefault("pallas_kernels", package)
+  return importlib.import_module(f"{alias}.gemm_{implementation}")
 
 
-def chosen_config(new, implementation: str, m: int, n: int, k: int):
-  """This tree's config for the shape: Mosaic's `default_config`, or the Triton table / heuristic."""
-  if implementation == "mosaic":
-    return new.default_config(m, n, k)
-  return gemm.triton_config(m, n, k, BLOCK_SIZE)
+def chosen_config(implementation: str, m: int, n: int, k: int, interpret: bool):
+  """This tree's planner's config for the shape (the one a call of `jaxfp8.w8a8_block_fp8_matmul` runs)."""
+  problem = gemm.problem(m, n, k, BLOCK_SIZE, a_s_column_major=True)
+  return gemm.plan(problem, implementation=implementation, interpret=interpret).config
 
 
 def kernel_fn(module, implementation: str, config, interpret: bool):
   """A jitted f(a_q, b_q, a_s_col, b_s) -> bf16 of `module`'s kernel with `config` (rebuilt as that module's class)."""
   if implementation == "mosaic":
     config = module.MosaicGemmConfig(**{f: getattr(config, f) for f in module.MosaicGemmConfig.__dataclass_fields__})
-    return jax.jit(lambda a, b, s_a, s_b: module.block_fp8_matmul(a, b, s_a, s_b, config=config, interpret=interpret))
+    # Launchers of older trees take no SM count (they ask the device themselves).
+    extra = {"num_sms": _platform.num_sms()} if "num_sms" in inspect.signature(module.block_fp8_matmul).parameters else {}
+    return jax.jit(lambda a, b, s_a, s_b: module.block_fp8_matmul(a, b, s_a, s_b, config=config, interpret=interpret,
+                                                                  **extra))
   config = module.TritonGemmConfig.from_dict(config.to_dict())
   return jax.jit(lambda a, b, s_a, s_b: module.block_fp8_matmul(
       a, b, s_a, s_b, None, block_size=BLOCK_SIZE, a_s_column_major=True, out_dtype=jnp.bfloat16, config=config,
@@ -65,7 +78,7 @@ def compare(base, new, implementation: str, m: int, n: int, k: int, *, reps: int
   for i in range(1 if interpret else bench_gemm.rotation_sets(n * k, m * k)):
     b_q, b_s = bench_gemm.make_weight(jax.random.key(n + k + i), n, k, BLOCK_SIZE)
     arg_sets.append((a_q, b_q, a_s, b_s))
-  config = chosen_config(new, implementation, m, n, k)
+  config = chosen_config(implementation, m, n, k, interpret)
   fns = {name: kernel_fn(module, implementation, config, interpret) for name, module in (("base", base), ("new", new))}
   outs = {name: np.asarray(fn(*arg_sets[0]).astype(jnp.float32)) for name, fn in fns.items()}
   scale = float(np.linalg.norm(outs["base"])) or 1.0

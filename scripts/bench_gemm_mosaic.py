@@ -36,9 +36,10 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from jaxfp8 import _bench_io, _platform, bench_gemm, timing
-from pallas_kernels import gemm_mosaic as gm
-from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
+from jaxfp8 import _platform
+from jaxfp8.tools import results as _bench_io, bench_gemm, timing
+from jaxfp8.kernels import gemm_mosaic as gm
+from jaxfp8.kernels.gemm_mosaic import Dim, MosaicGemmConfig
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (PALLAS_NOTES.md)
 L2_BYTES = 60 << 20

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-from jaxfp8 import bench_gemm, timing
+from jaxfp8.tools import bench_gemm, timing
 
 
 def main():

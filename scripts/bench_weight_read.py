@@ -17,8 +17,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import timing
-from jaxfp8.bench_gemm import HBM_BYTES_PER_S, rotation_sets
+from jaxfp8.tools import timing
+from jaxfp8.tools.bench_gemm import HBM_BYTES_PER_S, rotation_sets
 
 DEFAULT_SHAPES = [(24576, 7168), (7168, 18432), (10240, 5120), (7168, 2048), (5120, 25600)]
 

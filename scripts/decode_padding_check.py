@@ -19,7 +19,7 @@ import jax.numpy as jnp
 sys.path.insert(0, "scripts")
 import bench_gemm_mosaic as b  # noqa: E402
 from jaxfp8 import timing  # noqa: E402
-from pallas_kernels import gemm_mosaic as gm  # noqa: E402
+from jaxfp8.kernels import gemm_mosaic as gm  # noqa: E402
 
 ROWS = gm.WGMMA_M
 

@@ -108,8 +108,8 @@ for phase in "${phases[@]}"; do
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
     notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb ;;
     tune) run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
-    bench-linear) run bench_linear python3 -m jaxfp8.bench_linear --out="$out/linear_h200.json" ;;
-    tp) run bench_tp python3 -m jaxfp8.bench_tp --out="$out/tp_h200.json" ${TP_ARGS:-} ;;
+    bench-linear) run bench_linear python3 -m jaxfp8.tools.bench_linear --out="$out/linear_h200.json" ;;
+    tp) run bench_tp python3 -m jaxfp8.tools.bench_tp --out="$out/tp_h200.json" ${TP_ARGS:-} ;;
     fuzz-gpu) JAXFP8_FUZZ_PROFILE=gpu run fuzz_gpu python3 -m pytest tests/test_fuzz.py -n "${TEST_WORKERS:-8}" \
                 "${parallel_args[@]}" --junitxml="$out/fuzz_gpu.junit.xml" ;;
     correctness)

@@ -16,8 +16,9 @@ import os
 
 import jax
 
-from jaxfp8 import bench_gemm, gemm
-from pallas_kernels import gemm_mosaic as gm
+from jaxfp8 import gemm
+from jaxfp8.tools import bench_gemm
+from jaxfp8.kernels import gemm_mosaic as gm
 
 BLOCK_SIZE = (128, 128)
 

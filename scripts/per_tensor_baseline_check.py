@@ -1,5 +1,5 @@
 """GPU: the per-tensor FP8 baseline two ways, CUPTI kernel times and kernel names: a float32 product scaled and cast
-(the bench's baseline until session 4) vs `gemm_xla.per_tensor_fp8_matmul_baseline` (the product in bf16 out of
+(the bench's baseline until session 4) vs `baselines.per_tensor_fp8_matmul_baseline` (the product in bf16 out of
 cuBLASLt). Log of its H200 run: benchmarks/per_tensor_baseline_check_h200.log.
 
   PYTHONPATH=. python3 scripts/per_tensor_baseline_check.py
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxfp8 import gemm_xla, timing
+from jaxfp8.tools import baselines, timing
 
 CONTRACT_K = (((1,), (1,)), ((), ()))
 
@@ -19,7 +19,7 @@ def float32_product_then_cast(a_q, b_q, scale):
 
 
 def bf16_product(a_q, b_q, scale):
-  return gemm_xla.per_tensor_fp8_matmul_baseline(a_q, b_q, scale, jnp.float32(1.0))
+  return baselines.per_tensor_fp8_matmul_baseline(a_q, b_q, scale, jnp.float32(1.0))
 
 
 def _fp8(key, shape):

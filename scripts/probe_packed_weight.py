@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
-from jaxfp8 import bench_gemm, gemm, timing
-from pallas_kernels import gemm_mosaic as gm
+from jaxfp8 import gemm
+from jaxfp8.tools import bench_gemm, timing
+from jaxfp8.kernels import gemm_mosaic as gm
 
-ROWS = gemm.MOSAIC_DECODE_ROWS
+ROWS = gemm.mosaic.DECODE_ROWS
 
 
 def pack(b_q: jax.Array, tile_n: int, bk: int) -> jax.Array:

@@ -3,7 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import quant, timing
+from jaxfp8 import quant
+from jaxfp8.tools import timing
 
 for implementation in ("triton", "xla", "mosaic"):
   for m, k in ((1, 7168), (64, 7168), (4096, 7168)):

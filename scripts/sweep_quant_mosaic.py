@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import quant, timing
-from pallas_kernels import quant_mosaic as qm
+from jaxfp8 import quant
+from jaxfp8.tools import timing
+from jaxfp8.kernels import quant_mosaic as qm
 
 QUICK = "--quick" in sys.argv
 # (E, T, K, valid rows per batch entry or None, options)

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import quant, timing
-from pallas_kernels.quant_triton import QuantTritonConfig
+from jaxfp8 import quant
+from jaxfp8.tools import timing
+from jaxfp8.kernels.quant_triton import QuantTritonConfig
 
 shapes = [(64, 7168), (1024, 7168), (4096, 7168), (16384, 2048)]
 rng = np.random.default_rng(0)

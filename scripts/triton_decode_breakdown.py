@@ -18,8 +18,9 @@ import json
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import bench_gemm, gemm, timing
-from pallas_kernels import gemm_triton
+from jaxfp8 import gemm
+from jaxfp8.tools import bench_gemm, timing
+from jaxfp8.kernels import gemm_triton
 
 BLOCK_SIZE = (128, 128)
 

@@ -3,6 +3,7 @@ and the arithmetic of the table (roofline, speedup over the best baseline). The 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfp8 import bench, timing
+from jaxfp8.tools import bench, timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,13 +114,13 @@ def test_roofline_and_speedup_arithmetic():
   quant = dict(op="quant", shape="K=7168", m=64, n=None, k=7168, implementation="xla", role="baseline", us=4.0)
   bench.add_roofline(quant, peak_tflops=None, copy_bandwidth=4.3e12, block_size=(128, 128))
   assert "tflops" not in quant and quant["bound"] == "memory"
-  from jaxfp8 import bench_quant
+  from jaxfp8.tools import bench_quant
   assert quant["bytes"] == bench_quant.quant_bytes(64, 7168, 128)
 
 
 def test_plot_of_the_committed_quantizer_results(tmp_path):
   pytest.importorskip("matplotlib")
-  from jaxfp8 import plot
+  from jaxfp8.tools import plot
   result = json.loads((ROOT / "benchmarks" / "quant_h200.json").read_text())
   label, panels, sizes = plot.series(result)
   assert "GB/s" in label and plot.pick_shapes(panels, sizes) == ["K=7168", "K=18432"]
@@ -138,7 +139,7 @@ def test_plot_of_the_committed_quantizer_results(tmp_path):
 ])
 def test_plot_of_the_committed_gemm_and_tp_results(tmp_path, name, label_part, shapes, lines):
   pytest.importorskip("matplotlib")
-  from jaxfp8 import plot
+  from jaxfp8.tools import plot
   path = ROOT / "benchmarks" / name
   label, panels, sizes = plot.series(json.loads(path.read_text()))
   assert label_part in label and plot.pick_shapes(panels, sizes) == shapes
@@ -148,7 +149,7 @@ def test_plot_of_the_committed_gemm_and_tp_results(tmp_path, name, label_part, s
 
 def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
   """The GPU code path (CUPTI timer, measured copy bandwidth, datasheet peak) with CUPTI faked, on CPU."""
-  from jaxfp8 import bench_quant, timing
+  from jaxfp8.tools import bench_quant, timing
 
   def fake_cupti(fn, arg_sets, *, iterations=30, sync=None):
     (sync or (lambda out: out.block_until_ready() if hasattr(out, "block_until_ready") else out))(fn(*arg_sets[0]))
@@ -176,7 +177,8 @@ def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
 
 def test_linear_bench_gemm_part_reads_the_plans_padded_buffers():
   # The "gemm" part times the GEMM as the linear runs it: on the quantizer's padded rows, computing the live rows only.
-  from jaxfp8 import bench_linear, linear, weights
+  from jaxfp8 import linear, weights
+  from jaxfp8.tools import bench_linear
   m, n, k = 5, 256, 512
   x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
   w_q, w_s = weights.quantize_weight_blockwise(jax.random.normal(jax.random.key(1), (n, k), jnp.float32), (128, 128))
@@ -204,11 +206,11 @@ def test_ab_gemm_runs_the_base_trees_kernel(tmp_path):
   # A base tree whose Triton kernel doubles its output: the A/B must run two different kernels in its one process
   # (not one cached trace twice) and say that their outputs differ, by exactly half of the base's norm.
   base = tmp_path / "base"
-  (base / "pallas_kernels").mkdir(parents=True)
-  source = (ROOT / "pallas_kernels" / "gemm_triton.py").read_text()
+  shutil.copytree(ROOT / "jaxfp8" / "kernels", base / "jaxfp8" / "kernels")
+  source = (ROOT / "jaxfp8" / "kernels" / "gemm_triton.py").read_text()
   doubled = source.replace("  out = acc.astype(o_ref.dtype)", "  out = (2 * acc).astype(o_ref.dtype)")
   assert doubled != source
-  (base / "pallas_kernels" / "gemm_triton.py").write_text(doubled)
+  (base / "jaxfp8" / "kernels" / "gemm_triton.py").write_text(doubled)
   [row] = _run_ab_gemm(tmp_path / "ab.json", base, "triton", "5,256,384")
   assert (row["m"], row["n"], row["k"]) == (5, 256, 384)
   assert not row["identical"] and row["rel_diff"] == pytest.approx(0.5, abs=1e-6)

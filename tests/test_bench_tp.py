@@ -1,4 +1,4 @@
-"""`python -m jaxfp8.bench_tp`: the tensor-parallel check + benchmark.
+"""`python -m jaxfp8.tools.bench_tp`: the tensor-parallel check + benchmark.
 
 On CPU the command runs end to end in a subprocess on 2 simulated devices (XLA_FLAGS must be set before JAX starts)
 on tiny shapes: the XLA path as dispatch picks it, and the Triton kernels interpreted. The checks themselves are shown
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfp8 import bench, bench_tp, linear
+from jaxfp8 import linear
+from jaxfp8.tools import bench, bench_tp
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = {
@@ -37,7 +38,7 @@ def _run_command(args: list[str], out: Path, *, cpu_devices: int | None, timeout
   if cpu_devices:
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={cpu_devices}").strip()
-  proc = subprocess.run([sys.executable, "-m", "jaxfp8.bench_tp", f"--out={out}", *args], cwd=ROOT, env=env,
+  proc = subprocess.run([sys.executable, "-m", "jaxfp8.tools.bench_tp", f"--out={out}", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output[-5000:]
@@ -80,7 +81,7 @@ def test_command_on_two_simulated_cpu_devices(tmp_path):
   assert "ALL CHECKS PASSED" in output and "simulated CPU devices" in output
   _check_rows(result, _expected({"512x256": [1, 5], "256x512": [1, 5]}, bench_tp.MODES))
   assert result["device_count"] == 2 and result["devices"] == ["cpu:0", "cpu:1"] and result["cpu_warning"]
-  assert result["command"].startswith("python -m jaxfp8.bench_tp --out=") and result["seed"] == 3
+  assert result["command"].startswith("python -m jaxfp8.tools.bench_tp --out=") and result["seed"] == 3
   assert result["layers"] == [["512x256", 512, 256, ["column", "row"]], ["256x512", 256, 512, ["column", "row"]]]
   for key in ("date", "jax_version", "timing", "timing_notes", "tolerances"):
     assert result[key]
@@ -167,7 +168,7 @@ def test_compare_counts_bits_and_errors():
   np.testing.assert_allclose(stats["rel_err"], 3.0 / np.linalg.norm(np.arange(12)), rtol=1e-6)
 
 
-# Every kernel name CUPTI reported in a 2 x H200 run of `python -m jaxfp8.bench_tp --m=1,64,1024` (jax 0.11.2).
+# Every kernel name CUPTI reported in a 2 x H200 run of `python -m jaxfp8.tools.bench_tp --m=1,64,1024` (jax 0.11.2).
 # Row-parallel psum ran as XLA's own kernel at M=1 and 64 (psum_7_0_fusion_1) and through NCCL at M=1024.
 H200_COLLECTIVE_KERNELS = [
     "_Z31ncclDevKernel_AllGather_RING_LL24ncclDevKernelArgsStorageILm4096EE",
@@ -239,7 +240,7 @@ def _saved_result() -> dict:
     if r["mode"] != "single" and r["timed"]:
       bench_tp._add_speedups(r, singles[r["shape"]])
       r.pop("speedup_compute", None)  # the old run did not write it
-  return dict(benchmark="tp", command="python -m jaxfp8.bench_tp --out=/tmp/r/tp.json --m=1,64",
+  return dict(benchmark="tp", command="python -m jaxfp8.tools.bench_tp --out=/tmp/r/tp.json --m=1,64",
               date="2026-11-28T10:00:00+00:00", device="NVIDIA H200", jax_version="0.11.2", platform="gpu",
               device_count=2, timing="wall clock (median) and CUPTI kernel time (mean) of 30 calls",
               timing_notes={"old": "notes"}, cpu_warning=None, skipped=[], complete=True, checks_passed=True,
@@ -275,7 +276,7 @@ def test_rerender_reclassifies_a_saved_result(tmp_path):
   assert result["timing_notes"] == bench_tp.TIMING_NOTES
   [record] = result["rederived"]
   assert record["source"] == str(src) and record["source_sha256"] == hashlib.sha256(raw).hexdigest()
-  assert record["command"] == "python -m jaxfp8.bench_tp " + " ".join(args)
+  assert record["command"] == "python -m jaxfp8.tools.bench_tp " + " ".join(args)
   assert record["reclassified"] == [dict(name="psum_7_0_fusion_1", collective=True)]
   assert record["measurements"].startswith("unchanged")
   assert datetime.datetime.fromisoformat(record["date"]) > datetime.datetime.fromisoformat(saved["date"])

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
+
 import jaxfp8
 from jaxfp8 import _platform, reference as ref
 from quant_checks import assert_matches_reference
@@ -18,10 +20,6 @@ IMPLEMENTATIONS = ("xla", "triton", "mosaic")
 G = 32
 F32_SUBNORMAL = np.float32(1e-40)  # below float32's smallest normal (1.18e-38)
 
-
-def _runnable(implementation: str) -> None:
-  if ON_GPU and implementation == "mosaic" and not _platform.is_hopper():
-    pytest.skip("the Mosaic GPU kernels need Hopper")
 
 
 def extreme_rows(rng, rows: int, dtype) -> np.ndarray:
@@ -55,7 +53,7 @@ OPTIONS = [dict(), dict(column_major_scales=True, scale_tma_aligned=True, row_al
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_quant_extremes(implementation, dtype, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   rows = 9 if (ON_GPU or implementation != "mosaic") else 3
   x = extreme_rows(rng, rows, np.dtype(dtype))
   for options in OPTIONS:
@@ -118,7 +116,7 @@ def _check_saturated(implementation, m, n, k, out_dtype, rng):
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("implementation, m, n", [("xla", 33, 200), ("triton", 5, 40), ("mosaic", 4, 128)])
 def test_gemm_saturated_inputs_large_k(implementation, m, n, out_dtype, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   if implementation == "mosaic" and not ON_GPU and out_dtype != jnp.float32:
     pytest.skip("interpreted Mosaic is slow: one output dtype on CPU")
   _check_saturated(implementation, m, n, 7168, out_dtype, rng)
@@ -128,7 +126,7 @@ def test_gemm_saturated_inputs_large_k(implementation, m, n, out_dtype, rng):
 @pytest.mark.parametrize("implementation", ["triton", "mosaic", None])
 @pytest.mark.parametrize("m, n", [(64, 1536), (4096, 7168), (13, 2112)])
 def test_gpu_gemm_saturated_inputs_real_sizes(implementation, m, n, rng):
-  _runnable(implementation or "xla")
+  helpers.runnable(implementation or "xla")
   if implementation == "mosaic" and m % 4:
     pytest.skip("the Mosaic kernel takes M % 4 == 0")
   for out_dtype in (jnp.float32, jnp.bfloat16):
@@ -138,7 +136,7 @@ def test_gpu_gemm_saturated_inputs_real_sizes(implementation, m, n, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_gpu_quant_extremes_real_sizes(implementation, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   x = np.tile(extreme_rows(rng, 9, np.dtype(jnp.bfloat16)), (455, 8))  # 4095 x 2304
   for options in OPTIONS:
     q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), G, implementation=implementation, **options)

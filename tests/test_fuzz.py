@@ -13,6 +13,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import helpers
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -47,12 +49,6 @@ def _examples(ci: int, gpu: int):
   """max_examples for one test under the active profile."""
   return settings(max_examples=ci if PROFILE == "ci" else max(1, round(gpu * GPU_SCALE)))
 
-
-def _runnable(implementation: str) -> None:
-  if ON_GPU and implementation == "mosaic" and not _platform.is_hopper():
-    pytest.skip("the Mosaic GPU kernels need Hopper")
-  if ON_GPU and implementation == "triton" and not _platform.has_fp8_gpu():
-    pytest.skip("the Triton kernels need sm >= 8.9")
 
 
 seeds = st.integers(0, 2**32 - 1)
@@ -132,7 +128,7 @@ def test_quant_xla(seed, m, group_size, groups, dtype, options):
 
 def _check_quant_kernel(implementation, seed, data, group_size, dtype, options, *, interpreted_max_m):
   """A Pallas quantizer: real sizes natively on the GPU, tiny ones when interpreted on CPU."""
-  _runnable(implementation)
+  helpers.runnable(implementation)
   m = data.draw(st.integers(0, 300 if NATIVE else interpreted_max_m), label="m")
   groups = data.draw(st.integers(1, 8 if NATIVE else 2), label="groups")
   k = group_size * groups * (2 if options.get("fuse_silu_and_mul") else 1)
@@ -158,7 +154,7 @@ def test_quant_mosaic(seed, data, group_size, dtype, options):
 @given(seed=seeds, implementation=st.sampled_from(["xla", "triton"]), experts=st.integers(1, 3),
        tokens=st.integers(0, 12), dtype=dtype_names, options=quant_options(fuse_ok=False))
 def test_quant_masked_m(seed, implementation, experts, tokens, dtype, options):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   rng = np.random.default_rng(seed)
   x = random_activations(rng, (experts, tokens, 128), INPUT_DTYPES[dtype])
   masked_m = rng.integers(-1, tokens + 2, experts).astype(np.int32)  # out-of-range counts are clipped (SPEC 1)
@@ -224,7 +220,7 @@ def test_gemm_xla(block_size, seed, m, n, k, out_dtype, column_major, with_bias)
 @given(seed=seeds, data=st.data(), block_size=st.sampled_from([(128, 128), (64, 64), (128, 32), (32, 128)]),
        out_dtype=out_dtypes, column_major=st.booleans(), with_bias=st.booleans())
 def test_gemm_triton(seed, data, block_size, out_dtype, column_major, with_bias):
-  _runnable("triton")
+  helpers.runnable("triton")
   m = data.draw(st.integers(0, 300 if NATIVE else 20), label="m")
   n = data.draw(st.integers(1, 1100 if NATIVE else 72), label="n")
   k = data.draw(st.integers(1, 1100 if NATIVE else 200), label="k")
@@ -234,7 +230,7 @@ def test_gemm_triton(seed, data, block_size, out_dtype, column_major, with_bias)
 @_examples(ci=2, gpu=60)
 @given(seed=seeds, data=st.data(), out_dtype=out_dtypes, column_major=st.booleans(), with_bias=st.booleans())
 def test_gemm_mosaic(seed, data, out_dtype, column_major, with_bias):
-  _runnable("mosaic")
+  helpers.runnable("mosaic")
   # The Mosaic kernel takes block (128, 128), N and K multiples of 128 and M % 4 == 0 (other shapes are refused).
   m = 4 * data.draw(st.integers(1, 75 if NATIVE else 2), label="m / 4")
   n = 128 * data.draw(st.integers(1, 12 if NATIVE else 1), label="n / 128")

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 import conftest
+import helpers
 
-from jaxfp8 import _platform, gemm, gemm_configs, gemm_xla
+from jaxfp8 import _platform, gemm
+from jaxfp8.tools import baselines
 from jaxfp8 import reference as ref
 from jaxfp8 import shapes
 from jaxfp8.gemm import TritonGemmConfig, w8a8_block_fp8_matmul
-from pallas_kernels import gemm_triton
+from jaxfp8.kernels import gemm_triton
 
 SHAPES = shapes.load()
 # SPEC.md tolerances (relative Frobenius error vs float64); fp16 output is held to the bf16 bound.
@@ -152,7 +154,7 @@ def test_triton_per_step_weight_scale_loads(rng, monkeypatch, case):
     (3, *_scaled("o_proj", "qwen3_4b", 16), (64, 64)),
 ])
 def test_triton_heuristic_config_matches_reference(rng, m, n, k, block_size):
-  config = gemm_configs.heuristic_config(m, n, k, block_size)
+  config = gemm.triton.heuristic_config(m, n, k, block_size)
   assert config is not None
   problem = make_problem(rng, m, n, k, block_size, column_major=True, bias=True)
   out = problem.call(out_dtype=F32, implementation="triton", interpret=True)
@@ -205,7 +207,7 @@ def test_nan_scales_and_codes_propagate_only_where_the_reference_has_them(rng, i
   assert ref.relative_error(out[live], expected[live]) <= 2e-4
 
 
-@pytest.mark.skipif(gemm._mosaic_module() is None, reason="pallas_kernels.gemm_mosaic not importable")
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
 @pytest.mark.parametrize("column_major", [False, True])
 def test_mosaic_dispatch_passes_the_column_major_scales(rng, column_major):
   # The dispatch glue only (transpose of row-major a_s, slicing of a non-TMA-aligned M'); the kernel has its own tests.
@@ -238,8 +240,8 @@ def _padded_with_poison(problem: Problem, rows: int) -> tuple[np.ndarray, np.nda
 ])
 def test_out_rows_computes_the_live_rows_of_padded_buffers(rng, implementation, m, rows, column_major, config):
   n, k = (256, 384) if implementation == "mosaic" else (200, 300)
-  if implementation == "mosaic" and gemm._mosaic_module() is None:
-    pytest.skip("pallas_kernels.gemm_mosaic not importable")
+  if implementation == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("jaxfp8.kernels.gemm_mosaic not importable")
   problem = make_problem(rng, m, n, k, (128, 128), column_major=column_major, bias=True)
   a_q, a_s = _padded_with_poison(problem, rows)
   out = w8a8_block_fp8_matmul(a_q, problem.b_q, a_s, problem.b_s, (128, 128), a_s_column_major=column_major,
@@ -267,11 +269,14 @@ def test_usable_inside_jit(rng):
   assert_close(out, problem, F32)
 
 
+def _plan(m, n, k, block_size, capability, **kwargs):
+  return gemm.plan(gemm.problem(m, n, k, block_size), device=helpers.fake_device(capability), **kwargs)
+
+
 def test_default_implementation_on_cpu_is_xla():
-  if _platform.gpu_compute_capability() is not None:
-    pytest.skip("CPU-only expectation")
-  assert gemm.resolve_implementation(None, config=None, interpret=True, m=8, n=256, k=256,
-                                     block_size=(128, 128)) == "xla"
+  plan = _plan(8, 256, 256, (128, 128), None)
+  assert plan.implementation == "xla" and plan.config is None and "no NVIDIA GPU" in plan.reason
+  assert _plan(8, 256, 256, (128, 128), (9, 0), interpret=True).implementation == "xla"
 
 
 @pytest.mark.parametrize("capability, m, n, k, block_size, expected", [
@@ -280,19 +285,20 @@ def test_default_implementation_on_cpu_is_xla():
     ((9, 0), 16, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 20, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 4096, 256, 256, (128, 128), "mosaic"),
-    ((9, 0), 23, 256, 256, (128, 128), "triton"),    # M % 4 != 0
+    ((9, 0), 23, 256, 256, (128, 128), "mosaic"),    # any M (the launcher pads a_q's TMA view, the scales' columns)
     ((9, 0), 20, 200, 256, (128, 128), "triton"),    # N tail
     ((9, 0), 20, 256, 256, (64, 64), "triton"),
     ((8, 9), 8, 256, 256, (128, 128), "triton"),
     ((9, 0), 8, 256, 256, (128, 16), "xla"),         # gk = 16: no Triton dot is narrow enough
     ((8, 0), 8, 256, 256, (128, 128), "xla"),        # no FP8 conversions
 ])
-def test_default_implementation_choice(monkeypatch, capability, m, n, k, block_size, expected):
-  monkeypatch.setattr(gemm, "_capability", lambda: capability)
-  if expected == "mosaic" and gemm._mosaic_module() is None:
+def test_default_implementation_choice(capability, m, n, k, block_size, expected):
+  if expected == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
     expected = "triton"
-  assert gemm.resolve_implementation(None, config=None, interpret=False, m=m, n=n, k=k,
-                                     block_size=block_size) == expected
+  plan = _plan(m, n, k, block_size, capability, interpret=False)
+  assert plan.implementation == expected, plan
+  # The plan names the kernel config that runs (None only for XLA) and why.
+  assert (plan.config is None) == (expected == "xla") and plan.config_reason
 
 
 def test_zero_sized_dimensions(rng):
@@ -313,7 +319,7 @@ def test_zero_sized_output_with_long_k_picks_a_config(rng, m, n, block_size):
   # K >= 8 K steps is where the heuristic considers split-K; with no output tiles it divided by zero (found by the GPU
   # fuzz profile at M=0, K in 897..1100, before any kernel ran).
   k = 1024
-  config = gemm_configs.heuristic_config(m, n, k, block_size)
+  config = gemm.triton.heuristic_config(m, n, k, block_size)
   assert config is not None and config.split_k == 1, config
   p = make_problem(rng, max(m, 1), max(n, 1), k, block_size, bias=True)
   out = w8a8_block_fp8_matmul(p.a_q[:m], p.b_q[:n], p.a_s[:m], p.b_s[:ref.ceil_div(n, block_size[0])], block_size,
@@ -366,7 +372,7 @@ def _valid_args(m=5, n=200, k=300, block_size=(128, 128)):
     (dict(implementation="triton", config=_cfg(16, 64, 128, group_m=0), interpret=True), ValueError, "group_m=0"),
     (dict(implementation="triton", config=_cfg(16, 64, 128, swap_ab="yes"), interpret=True), ValueError, "swap_ab"),
     (dict(implementation="triton", config=_cfg(16, 64, 16), interpret=True), ValueError, "8-bit MMAs need"),
-    (dict(implementation="mosaic", interpret=True), ValueError, "N and K to be positive multiples of 128"),
+    (dict(implementation="mosaic", interpret=True), ValueError, "N=200 must be a positive multiple of 128"),
 ])
 def test_validation_errors(change, error, match):
   args = {**_valid_args(), **change}
@@ -406,11 +412,12 @@ def test_gpu_implementations_without_interpret_on_cpu_are_rejected(implementatio
                           implementation=implementation, interpret=False)
 
 
-def test_mosaic_rejects_unaligned_m():
-  args = _valid_args(m=7, n=256, k=256)
-  with pytest.raises(ValueError, match="M % 4 == 0"):
-    w8a8_block_fp8_matmul(args["a_q"], args["b_q"], args["a_s"], args["b_s"], (128, 128), implementation="mosaic",
-                          interpret=True)
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
+@pytest.mark.parametrize("m, column_major", [(7, False), (13, True), (23, False)])
+def test_mosaic_takes_any_m(rng, m, column_major):
+  """Rows that are no multiple of 4 or 8: the launcher pads a_q's TMA view and the scales' columns itself."""
+  problem = make_problem(rng, m, 256, 256, (128, 128), column_major=column_major, bias=True)
+  assert_close(problem.call(out_dtype=F32, implementation="mosaic", interpret=True), problem, F32)
 
 
 # ---- configs -------------------------------------------------------------------------------------------------------
@@ -427,29 +434,29 @@ def test_heuristic_serves_every_model_shape_and_block_size():
   for n, k in _all_weight_shapes():
     for block_size in blocks + [(64, 128)]:
       for m in ms + [3, 13, 257]:
-        config = gemm_configs.heuristic_config(m, n, k, block_size)
+        config = gemm.triton.heuristic_config(m, n, k, block_size)
         assert config is not None, (m, n, k, block_size)
         assert not gemm_triton.config_problems(config, block_size), (m, n, k, block_size, config)
-  assert gemm_configs.heuristic_config(8, 256, 256, (128, 16)) is None
+  assert gemm.triton.heuristic_config(8, 256, 256, (128, 16)) is None
 
 
 def test_table_lookup_by_device_and_m_bucket():
   tuned = _cfg(32, 64, 128, split_k=4, swap_ab=True)
   table = {"device": "NVIDIA H200", "tuned": True, "entries": {
-      gemm_configs.table_key(576, 7168, (128, 128), 32): {"config": tuned.to_dict(), "us": 3.0},
-      gemm_configs.table_key(576, 7168, (128, 128), 64): {"config": {**tuned.to_dict(), "block_k": 96}, "us": 1.0},
+      gemm.triton.table_key(576, 7168, (128, 128), 32): {"config": tuned.to_dict(), "us": 3.0},
+      gemm.triton.table_key(576, 7168, (128, 128), 64): {"config": {**tuned.to_dict(), "block_k": 96}, "us": 1.0},
   }}
-  get = functools.partial(gemm_configs.get_config, n=576, k=7168, block_size=(128, 128), table=table)
+  get = functools.partial(gemm.triton.get_config, n=576, k=7168, block_size=(128, 128), table=table)
   assert get(17, device_kind="NVIDIA H200") == tuned            # bucket 32
   assert get(2, device_kind="NVIDIA H200") == tuned             # bucket 2 untuned: the nearest tuned bucket above
-  assert get(17, device_kind="NVIDIA H100 80GB HBM3") == gemm_configs.heuristic_config(17, 576, 7168, (128, 128))
-  assert get(64, device_kind="NVIDIA H200") == gemm_configs.heuristic_config(64, 576, 7168, (128, 128))  # invalid entry
-  assert get(9000, device_kind="NVIDIA H200") == gemm_configs.heuristic_config(9000, 576, 7168, (128, 128))
-  assert gemm_configs.m_bucket(1) == 1 and gemm_configs.m_bucket(65) == 128 and gemm_configs.m_bucket(10**6) == 8192
+  assert get(17, device_kind="NVIDIA H100 80GB HBM3") == gemm.triton.heuristic_config(17, 576, 7168, (128, 128))
+  assert get(64, device_kind="NVIDIA H200") == gemm.triton.heuristic_config(64, 576, 7168, (128, 128))  # invalid entry
+  assert get(9000, device_kind="NVIDIA H200") == gemm.triton.heuristic_config(9000, 576, 7168, (128, 128))
+  assert gemm.triton.m_bucket(1) == 1 and gemm.triton.m_bucket(65) == 128 and gemm.triton.m_bucket(10**6) == 8192
 
 
 def test_shipped_table_loads_and_holds_valid_configs():
-  table = gemm_configs.load_table()
+  table = gemm.triton.load_table()
   assert table["device"] == "NVIDIA H200" and isinstance(table["entries"], dict)
   for key, entry in table["entries"].items():
     n, k, gn, gk, _ = (int(v) for v in key.split(","))
@@ -491,16 +498,17 @@ def test_triton_kernel_lowers_for_h200(m, n, k, block_size, config):
 
 
 def _shipped_entries():
-  return [tuple(int(v) for v in key.split(",")) for key in gemm_configs.load_table()["entries"]]
+  return [tuple(int(v) for v in key.split(",")) for key in gemm.triton.load_table()["entries"]]
 
 
 @pytest.mark.parametrize("n, k, gn, gk, m", _shipped_entries())
 def test_every_shipped_triton_config_lowers_for_h200(n, k, gn, gk, m):
   """Each entry of the shipped table, at its own shape and bucket M, as dispatch would pick it on an H200."""
-  entry = gemm_configs.load_table()["entries"][gemm_configs.table_key(n, k, (gn, gk), m)]
+  entry = gemm.triton.load_table()["entries"][gemm.triton.table_key(n, k, (gn, gk), m)]
   config = TritonGemmConfig.from_dict(entry["config"])
   with _platform.abstract_h200():
-    assert gemm.triton_config(m, n, k, (gn, gk)) == config
+    plan = gemm.plan(gemm.problem(m, n, k, (gn, gk)), implementation="triton")
+    assert plan.config == config and "tuned" in plan.config_reason
   test_triton_kernel_lowers_for_h200(m, n, k, (gn, gk), config)
 
 
@@ -636,7 +644,7 @@ def test_gpu_triton_configs_compile_and_match(config, rng):
 def test_dequant_bf16_baseline_is_a_baseline(rng):
   # The baseline is what users do today; it is close (bf16 tolerance) but not an implementation.
   problem = make_problem(rng, 13, 200, 300, (128, 128))
-  out = gemm_xla.dequant_bf16_matmul_baseline(problem.a_q, problem.b_q, problem.a_s, problem.b_s,
+  out = baselines.dequant_bf16_matmul_baseline(problem.a_q, problem.b_q, problem.a_s, problem.b_s,
                                               block_size=(128, 128), out_dtype=F32)
   assert ref.relative_error(out, problem.reference()) <= 2e-2
 
@@ -655,7 +663,7 @@ def test_per_tensor_baseline_is_the_scaled_product(rng):
   b = rng.standard_normal((24, 256)).astype(np.float32)
   a_q, b_q = jnp.asarray(a * 100, jnp.float8_e4m3fn), jnp.asarray(b * 100, jnp.float8_e4m3fn)
   a_scale, b_scale = np.float32(0.01), np.float32(0.03)
-  out = gemm_xla.per_tensor_fp8_matmul_baseline(a_q, b_q, jnp.float32(a_scale), jnp.float32(b_scale))
+  out = baselines.per_tensor_fp8_matmul_baseline(a_q, b_q, jnp.float32(a_scale), jnp.float32(b_scale))
   exact = np.asarray(a_q, np.float64) @ np.asarray(b_q, np.float64).T * (float(a_scale) * float(b_scale))
   assert out.dtype == jnp.bfloat16 and out.shape == (5, 24)
   # Three bf16 roundings (the product, the scale product, the scaled product), each off by at most the unit roundoff
@@ -664,7 +672,7 @@ def test_per_tensor_baseline_is_the_scaled_product(rng):
 
 
 def test_bench_gemm_plumbing(monkeypatch, tmp_path):
-  from jaxfp8 import bench_gemm, timing
+  from jaxfp8.tools import bench_gemm, timing
   monkeypatch.setattr(timing, "median_kernel_us", _fake_median_kernel_us)
   out = tmp_path / "gemm.json"
   result = bench_gemm.run([("small", 200, 384)], [3, 8], ["xla", "dequant_bf16", "fp8_per_tensor", "torch_scaled_mm"],
@@ -679,22 +687,22 @@ def test_bench_gemm_plumbing(monkeypatch, tmp_path):
 
 
 def test_tune_plumbing_writes_a_table_get_config_uses(monkeypatch, tmp_path):
-  from jaxfp8 import timing, tune
+  from jaxfp8.tools import timing, tune
   monkeypatch.setattr(timing, "median_kernel_us", _fake_median_kernel_us)
   out = tmp_path / "table.json"
   table = tune.tune([(200, 384)], [8], (128, 128), str(out), max_configs=2, iterations=2, interpret=True,
                     log=lambda *_: None)
   assert json.loads(out.read_text()) == json.loads(json.dumps(table))
   [(key, entry)] = table["entries"].items()
-  assert key == gemm_configs.table_key(200, 384, (128, 128), 8) and entry["candidates"] == 2
-  config = gemm_configs.get_config(5, 200, 384, (128, 128), device_kind=table["device"], table=table)
+  assert key == gemm.triton.table_key(200, 384, (128, 128), 8) and entry["candidates"] == 2
+  config = gemm.triton.get_config(5, 200, 384, (128, 128), device_kind=table["device"], table=table)
   assert config == TritonGemmConfig.from_dict(entry["config"])
 
 
 def test_tune_times_the_entry_it_would_replace(monkeypatch, tmp_path):
-  from jaxfp8 import timing, tune
+  from jaxfp8.tools import timing, tune
   monkeypatch.setattr(timing, "median_kernel_us", _fake_median_kernel_us)
-  key = gemm_configs.table_key(200, 384, (128, 128), 8)
+  key = gemm.triton.table_key(200, 384, (128, 128), 8)
   previous = TritonGemmConfig(16, 32, 64, 1, 4, 2, 1, False)
   assert previous not in tune.candidate_configs(8, 200, 384, (128, 128), max_configs=2)
   out = tmp_path / "table.json"
@@ -711,7 +719,7 @@ def test_tune_candidates_can_all_run():
   for m in (1, 16, 64, 128, 256, 4096):
     for block_size in ((128, 128), (64, 64), (128, 64)):
       candidates = tune_module().candidate_configs(m, 7168, 2048, block_size)
-      assert candidates and candidates[0] == gemm_configs.heuristic_config(m, 7168, 2048, block_size)
+      assert candidates and candidates[0] == gemm.triton.heuristic_config(m, 7168, 2048, block_size)
       assert all(not gemm_triton.config_problems(c, block_size) for c in candidates)
 
 
@@ -726,5 +734,5 @@ def test_tune_candidates_are_distinct_as_launched():
 
 
 def tune_module():
-  from jaxfp8 import tune
+  from jaxfp8.tools import tune
   return tune

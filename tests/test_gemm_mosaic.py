@@ -19,10 +19,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
+import jaxfp8
 from jaxfp8 import _platform
 from jaxfp8 import reference as ref
-from pallas_kernels import gemm_mosaic as gm
-from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
+from jaxfp8.gemm import mosaic as mosaic_backend
+from jaxfp8.kernels import gemm_mosaic as gm
+from jaxfp8.kernels.gemm_mosaic import Dim, MosaicGemmConfig
 
 # The (N, K) weight shapes of /work/shared/shapes.json (DeepSeek-V3 full/TP8/TP16, Qwen3-32B/4B) with N and K
 # multiples of 128, the ones this kernel takes (576 and 2112 go to the portable kernel). Embedded so that the tests do
@@ -121,6 +123,16 @@ def _quantized_problem(rng, m: int, n: int, k: int, *, extra_scale_cols: int = 0
   return a_q, b_q, a_s, b_s
 
 
+def _matmul(a_q, b_q, a_s, b_s, *, config=None, out_dtype=jnp.bfloat16, bias=None, out_rows=None, interpret=False):
+  """The kernel's launcher as the library's backend calls it: the backend's schedule when no config is given, and
+  the device's SM count."""
+  if config is None:
+    config = mosaic_backend.default_config(a_q.shape[0], b_q.shape[0], a_q.shape[1], out_dtype,
+                                           num_sms=_platform.num_sms())
+  return gm.block_fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=out_dtype, bias=bias, config=config,
+                             num_sms=_platform.num_sms(), out_rows=out_rows, interpret=interpret)
+
+
 # The Mosaic GPU interpreter runs every warpgroup of every CTA as a thread, but their io_callbacks (barrier waits
 # among them) on XLA's CPU thread pool, one thread per schedulable CPU: when every pool thread holds a blocked wait,
 # the threads that would release them never run. On a 2-CPU machine a 4-warpgroup CTA (three consumers and the
@@ -133,7 +145,7 @@ def _run(a_q, b_q, a_s, b_s, *, config, out_dtype=jnp.float32, bias=None):
   if config is not None and config.num_wgs + 1 > max(_INTERPRETER_POOL_THREADS, 3):  # 1-2 consumers: never hung
     pytest.skip(f"{config.num_wgs + 1} warpgroups per CTA can deadlock the interpreter on "
                 f"{_INTERPRETER_POOL_THREADS} CPUs; lowered for CUDA and run on the H200 instead")
-  out = gm.block_fp8_matmul(
+  out = _matmul(
       jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s), out_dtype=out_dtype,
       bias=None if bias is None else jnp.asarray(bias), config=config, interpret=True)
   return np.asarray(out)
@@ -259,7 +271,7 @@ def test_no_data_races(rng, kind, capfd):
   # those, name the scale load in _scaled_mma_step; every other report fails the test.
   a_q, b_q, a_s, b_s = _quantized_problem(rng, 132, 256, 256)
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-    out = gm.block_fp8_matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
+    out = _matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
                               out_dtype=jnp.float32, config=KINDS[kind])
     out = np.asarray(out)
   reports = capfd.readouterr().out.split("RACE DETECTED")[1:]
@@ -279,41 +291,57 @@ def _args(m=8, n=256, k=384, m_cols=None):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda a: (a[0], a[1][:200], a[2], a[3][:1]), "N=200"),
-    (lambda a: (a[0][:, :200], a[1][:, :200], a[2][:1], a[3][:, :1]), "K=200"),
-    (lambda a: (a[0].astype(jnp.float8_e5m2), *a[1:]), "float8_e4m3fn"),
-    (lambda a: (a[0], a[1], a[2][:, :6], a[3]), "a_s_col"),
-    (lambda a: (a[0][:6], a[1], a[2][:, :6], a[3]), "M' % 4"),
-    (lambda a: (a[0], a[1], a[2].T, a[3]), "a_s_col"),
-    (lambda a: (a[0], a[1], a[2], a[3].T), "b_s"),
-    (lambda a: (a[0], a[1], a[2].astype(jnp.bfloat16), a[3]), "a_s_col"),
-    (lambda a: (a[0], a[1][:, :128], a[2], a[3]), "K="),
+    (lambda a: (a[0], a[1][:200], a[2], a[3]), "N=200 must be a positive multiple of 128"),
+    (lambda a: (a[0][:, :200], a[1][:, :200], a[2][:2], a[3][:, :2]), "K=200 must be a positive multiple of 128"),
+    (lambda a: (a[0].astype(jnp.float8_e5m2), *a[1:]), "a_q must have dtype float8_e4m3fn"),
+    (lambda a: (a[0], a[1], a[2][:, :6], a[3]), r"column-major a_s must have shape \(ceil\(K/gk\), M'\) = \(3, >= 8\)"),
+    (lambda a: (a[0], a[1], a[2], a[3].T), "b_s must have shape"),
+    (lambda a: (a[0], a[1], a[2].astype(jnp.bfloat16), a[3]), "a_s must have dtype float32"),
+    (lambda a: (a[0], a[1][:, :128], a[2], a[3]), "must share K"),
 ])
 def test_rejects_unsupported_inputs(change, match):
-  with pytest.raises(ValueError, match=match):
-    gm.block_fp8_matmul(*change(_args()), interpret=True)
+  """What the kernel cannot take is refused before it is built, naming the argument (the library's validation and
+  the backend's `shape_problems`)."""
+  a_q, b_q, a_s, b_s = change(_args())
+  with pytest.raises((ValueError, TypeError), match=match):
+    jaxfp8.w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True, implementation="mosaic",
+                                 interpret=True)
 
 
-def test_rejects_bad_options():
-  args = _args()
-  with pytest.raises(ValueError, match="128 bytes"):
-    gm.block_fp8_matmul(*args, out_dtype=jnp.float32, config=MosaicGemmConfig(epi_tile_n=64), interpret=True)
-  with pytest.raises(ValueError, match="out_dtype"):
-    gm.block_fp8_matmul(*args, out_dtype=jnp.int8, interpret=True)
-  with pytest.raises(ValueError, match="bias"):
-    gm.block_fp8_matmul(*args, bias=jnp.zeros((255,), jnp.float32), interpret=True)
-  with pytest.raises(ValueError, match="bias"):
-    gm.block_fp8_matmul(*args, bias=jnp.zeros((256,), jnp.float16), interpret=True)  # out is bf16
-  with pytest.raises(ValueError, match="tile_n=96.*must divide N=256"):
-    gm.block_fp8_matmul(*args, config=MosaicGemmConfig(tile_n=96), interpret=True)
+def test_any_m_and_any_scale_columns_run(rng):
+  """M that is no multiple of 4 or 8, and column-major scales whose M' is no multiple of 4: the backend pads."""
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, 6, 256, 256)
+  out = jaxfp8.w8a8_block_fp8_matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s[:, :6]), jnp.asarray(b_s),
+                                     (128, 128), a_s_column_major=True, out_dtype=jnp.float32,
+                                     implementation="mosaic", interpret=True)
+  _check(np.asarray(out), a_q, b_q, a_s[:, :6], b_s, jnp.float32)
+
+
+def test_rejects_bad_configs():
+  def problems(config, out_dtype=jnp.bfloat16, n=256):
+    return gm.config_problems(config, n, out_dtype)
+
+  assert not problems(MosaicGemmConfig())
+  assert any("128 bytes" in p for p in problems(MosaicGemmConfig(epi_tile_n=64), jnp.float32))
+  assert any("tile_n=96" in p and "must divide N=256" in p for p in problems(MosaicGemmConfig(tile_n=96)))
   for bad in (MosaicGemmConfig(tile_n=100), MosaicGemmConfig(tile_n=264), MosaicGemmConfig(tile_n=200),
               MosaicGemmConfig(tile_m=96), MosaicGemmConfig(k_blocks_per_step=3),
               MosaicGemmConfig(tile_m=64, wg_split=Dim.M), MosaicGemmConfig(num_compute_wgs=3),
               MosaicGemmConfig(tile_m=256, num_compute_wgs=4),
               MosaicGemmConfig(epi_tile_n=48), MosaicGemmConfig(epi_tile_n=128), MosaicGemmConfig(max_concurrent_steps=12),
               MosaicGemmConfig(grid_size=0), MosaicGemmConfig(cluster_dim=Dim.M, persistent=False)):
-    with pytest.raises(ValueError):
-      gm.block_fp8_matmul(*args, config=bad, interpret=True)
+    assert problems(bad), bad
+  # Through the public function: a config that cannot run is refused with its problem, naming the config.
+  args = _args()
+  with pytest.raises(ValueError, match="tile_n=96.*must divide N=256"):
+    jaxfp8.w8a8_block_fp8_matmul(*args, (128, 128), a_s_column_major=True, config=MosaicGemmConfig(tile_n=96),
+                                 interpret=True)
+  with pytest.raises(ValueError, match="bias must have shape"):
+    jaxfp8.w8a8_block_fp8_matmul(*args, (128, 128), a_s_column_major=True, implementation="mosaic",
+                                 bias=jnp.zeros((255,), jnp.float32), interpret=True)
+  with pytest.raises(ValueError, match="out_dtype must be"):
+    jaxfp8.w8a8_block_fp8_matmul(*args, (128, 128), a_s_column_major=True, implementation="mosaic",
+                                 out_dtype=jnp.int8, interpret=True)
 
 
 # -------------------------------------------------------------------------------------------- heuristic and lowering
@@ -323,7 +351,7 @@ def test_default_config_is_valid_everywhere():
   for n, k in MODEL_SHAPES:
     for m in M_VALUES:
       for out_dtype in (jnp.bfloat16, jnp.float32):
-        config = gm.default_config(m, n, k, out_dtype, num_sms=132)
+        config = mosaic_backend.default_config(m, n, k, out_dtype, num_sms=132)
         config.validate()
         assert config.smem_bytes(out_dtype) <= gm.SMEM_BYTES, (m, n, k, config)
         if m <= 64:
@@ -338,7 +366,7 @@ def _lower(m, n, k, config, out_dtype=jnp.bfloat16, with_bias=False):
     structs.append(jax.ShapeDtypeStruct((n,), jnp.float32))
 
   def f(a_q, b_q, a_s, b_s, bias=None):
-    return gm.block_fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=out_dtype, bias=bias, config=config)
+    return _matmul(a_q, b_q, a_s, b_s, out_dtype=out_dtype, bias=bias, config=config)
 
   with _platform.abstract_h200():
     exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*structs)
@@ -353,7 +381,7 @@ LOWERING_SHAPES = [(4096, 24576, 7168), (4100, 7168, 2048), (64, 7168, 2048), (1
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_default_config_lowers_for_cuda(m, n, k, out_dtype):
   with _platform.abstract_h200():
-    config = gm.default_config(m, n, k, out_dtype)
+    config = mosaic_backend.default_config(m, n, k, out_dtype, num_sms=132)
   _lower(m, n, k, config, out_dtype, with_bias=True)
 
 
@@ -402,13 +430,13 @@ def test_config_kinds_lower_for_cuda(kind):
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_column_kinds_lower_for_cuda(config, m, n, k, out_dtype):
   depth = max(config.max_concurrent_steps, 4)  # the CPU kinds are shallow; _fit_smem trims what does not fit
-  config = gm._fit_smem(dataclasses.replace(config, max_concurrent_steps=depth, grid_size=None), out_dtype, 1 << 20)
+  config = mosaic_backend._fit_smem(dataclasses.replace(config, max_concurrent_steps=depth, grid_size=None), out_dtype, 1 << 20)
   _lower(m, n, k, config, out_dtype, with_bias=True)
 
 
 def test_default_config_follows_the_measurements():
   """The choices the H200 sweeps made (gemm_mosaic.default_config's comments), and the k2 prefill choice lowers."""
-  pick = lambda m, n, k: gm.default_config(m, n, k, num_sms=132)
+  pick = lambda m, n, k: mosaic_backend.default_config(m, n, k, num_sms=132)
   assert (pick(16, 7168, 18432).tile_n, pick(64, 7168, 18432).tile_n, pick(64, 24576, 7168).tile_n) == (128, 64, 128)
   # Session 6: three consumer warpgroups on 192x128 tiles won at M=2048 and 4096 on all three weights, lost at M=1024.
   for m, n, k in [(4096, 24576, 7168), (4096, 7168, 18432), (4096, 10240, 5120), (2048, 24576, 7168),
@@ -444,7 +472,7 @@ def test_heuristic_lowers_for_model_shapes():
   for n, k in MODEL_SHAPES:
     for m in (1, 12, 300, 4100):
       with _platform.abstract_h200():
-        config = gm.default_config(m, n, k)
+        config = mosaic_backend.default_config(m, n, k, num_sms=132)
       _lower(m, n, k, config)
 
 
@@ -482,7 +510,7 @@ def _gpu_problem(key, m, n, k):
 def _check_on_gpu(m, n, k, config, out_dtype, seed, with_bias=True):
   a_q, b_q, a_s, b_s, bias = _gpu_problem(jax.random.key(seed), m, n, k)
   bias = bias if with_bias else None
-  out = jax.jit(lambda *xs: gm.block_fp8_matmul(*xs[:4], bias=xs[4] if with_bias else None, out_dtype=out_dtype,
+  out = jax.jit(lambda *xs: _matmul(*xs[:4], bias=xs[4] if with_bias else None, out_dtype=out_dtype,
                                                 config=config))(a_q, b_q, a_s, b_s, bias)
   assert out.shape == (m, n) and out.dtype == jnp.dtype(out_dtype)
   # Whole output against an f32 computation on the GPU (catches any tile gone wrong).
@@ -532,7 +560,7 @@ def test_gpu_config_kinds(kind):
   seed = zlib.crc32(kind.encode()) % 1000
   # Partial row tiles, N not a multiple of 256, K not a multiple of 256; then a decode-like shape in f32.
   _check_on_gpu(4096 - 36, 7168 + 128, 2048 + 128, config, jnp.bfloat16, seed=seed)
-  _check_on_gpu(36, 1536, 7168, gm._fit_smem(config, jnp.float32, 1 << 20), jnp.float32, seed=seed + 1)
+  _check_on_gpu(36, 1536, 7168, mosaic_backend._fit_smem(config, jnp.float32, 1 << 20), jnp.float32, seed=seed + 1)
 
 
 @pytest.mark.gpu
@@ -543,7 +571,7 @@ def test_gpu_config_kinds(kind):
 @pytest.mark.parametrize("m", [1, 16, 64, 1000])
 def test_gpu_column_kinds(kind, n, k, m):
   config, _, _, out_dtype = COLUMN_KINDS[kind]
-  config = gm._fit_smem(dataclasses.replace(config, max_concurrent_steps=4, grid_size=None), out_dtype, 1 << 20)
+  config = mosaic_backend._fit_smem(dataclasses.replace(config, max_concurrent_steps=4, grid_size=None), out_dtype, 1 << 20)
   _check_on_gpu(m, n, k, config, out_dtype, seed=zlib.crc32(kind.encode()) % 1000 + m)
 
 
@@ -560,6 +588,6 @@ def test_gpu_exact_small_integers():
   expect = ref.cast_output(ref.block_fp8_matmul(np.asarray(a_q), np.asarray(b_q), np.asarray(a_s), np.asarray(b_s),
                                                 (128, 128), a_s_column_major=True), np.float32)
   for config in [None, *DEEP_KINDS.values()]:
-    config = None if config is None else gm._fit_smem(config, jnp.float32, 1 << 20)
-    out = gm.block_fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=jnp.float32, config=config)
+    config = None if config is None else mosaic_backend._fit_smem(config, jnp.float32, 1 << 20)
+    out = _matmul(a_q, b_q, a_s, b_s, out_dtype=jnp.float32, config=config)
     np.testing.assert_array_equal(np.asarray(out), expect, err_msg=str(config))

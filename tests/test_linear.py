@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
+
 from jaxfp8 import _platform, gemm, linear, quant, shapes
 from jaxfp8 import reference as ref
 from jaxfp8.linear import w8a8_block_fp8_linear
@@ -158,8 +160,7 @@ def _one_schedule(implementation: str, n: int, k: int):
     return gemm.TritonGemmConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3,
                                  swap_ab=True)
   if implementation == "mosaic":
-    from pallas_kernels import gemm_mosaic
-    return gemm_mosaic.default_config(16, n, k, F32)
+    return gemm.mosaic.default_config(16, n, k, F32, num_sms=132)
   return None  # XLA has one schedule on CPU
 
 
@@ -228,35 +229,39 @@ def _weight_shape(n, k):
     ((9, 0), 20, 256, 256, (64, 64), "triton", 1, "block_size=(128, 128) only"),
     ((8, 9), 5, 256, 256, (128, 128), "triton", 1, "sm_89"),
     ((8, 0), 5, 256, 256, (128, 128), "xla", 1, "no FP8 conversions"),
-    ((9, 0), 5, 256, 256, (128, 16), "xla", 1, "no Triton GEMM config"),
+    ((9, 0), 5, 256, 256, (128, 16), "xla", 1, "no Triton config can serve"),
     (None, 5, 256, 256, (128, 128), "xla", 1, "no NVIDIA GPU"),
 ])
-def test_default_dispatch(monkeypatch, capability, m, n, k, block_size, impl, alignment, reason):
-  monkeypatch.setattr(gemm, "_capability", lambda: capability)
-  if impl == "mosaic" and gemm._mosaic_module() is None:
-    pytest.skip("pallas_kernels.gemm_mosaic is not importable here")
-  plan = linear.explain(_shape(m, k), _weight_shape(n, k), block_size, interpret=False)
+def test_default_dispatch(capability, m, n, k, block_size, impl, alignment, reason):
+  if impl == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("jaxfp8.kernels.gemm_mosaic is not importable here")
+  plan = linear.planner.plan(m, n, k, block_size, BF16, BF16, linear.LinearOptions(interpret=False),
+                             device=helpers.fake_device(capability))
   assert (plan.implementation, plan.row_alignment) == (impl, alignment), str(plan)
   assert reason in plan.reason, plan.reason
   assert plan.scale_layout == ("row" if impl == "xla" else "col")
-  expected_quant = {"mosaic": "triton" if linear._quant_mosaic_error() else "mosaic"}.get(impl, impl)
+  expected_quant = {"mosaic": "mosaic" if helpers.MOSAIC_QUANT_IMPORTABLE else "triton"}.get(impl, impl)
   assert plan.quant_implementation == expected_quant
   assert plan.padded_rows % 1 == 0 and plan.padded_rows >= m and str(plan).startswith(impl)
+  # The plan names the kernel configs that run (none for XLA), each with its reason.
+  assert (plan.config is None) == (impl == "xla") and (plan.quant_config is None) == (expected_quant == "xla")
+  if plan.config is not None:
+    assert type(plan.config).__name__ in str(plan) and plan.gemm.config_reason in str(plan)
 
 
 @pytest.mark.parametrize("m, alignment", [(1, 64), (4, 64), (13, 64), (63, 64), (64, 1), (65, 8), (68, 8),
-                                          (100, 8), (132, 8), (4095, 4), (4096, 1)])
+                                          (100, 8), (132, 8), (4095, 8), (4096, 1)])
 def test_mosaic_row_alignment(m, alignment):
   # Below 64 rows: one whole decode tile. From 64 on, the least padding the kernel reads as is: 65 -> 72 and 68 -> 72
   # (65 and 68 rows are not TMA-tileable), 132 -> 136, 4095 -> 4096.
-  assert linear._mosaic_row_alignment(m, 256, 256, (128, 128)) == alignment
+  assert gemm.row_alignment("mosaic", m)[0] == alignment
 
 
 def test_explicit_implementations_are_honoured_or_refused(monkeypatch):
   x, w = _shape(5, 256), _weight_shape(200, 256)
   plan = linear.explain(x, w, (128, 128), implementation="triton", interpret=True)
   assert plan.implementation == "triton" and "asked for" in plan.reason and plan.interpret
-  with pytest.raises(ValueError, match="implementation='mosaic' cannot run a linear with N=200"):
+  with pytest.raises(ValueError, match="implementation='mosaic' cannot run M=5, N=200"):
     linear.explain(x, w, (128, 128), implementation="mosaic", interpret=True)
   with pytest.raises(ValueError, match="implementation must be one of"):
     linear.explain(x, w, (128, 128), implementation="cuda")
@@ -354,7 +359,7 @@ def test_lowered_xla_program_has_no_activation_copies():
 _MOSAIC_AROUND = {"custom_call", "reshape", "slice", "constant", "broadcast_in_dim", "return"}
 
 
-@pytest.mark.skipif(gemm._mosaic_module() is None, reason="pallas_kernels.gemm_mosaic not importable")
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
 @pytest.mark.parametrize("m, n, k", [(1, 1536, 7168), (5, 1536, 7168), (13, 7168, 2048), (64, 7168, 2048),
                                      (300, 24576, 1536)])
 def test_lowered_mosaic_program_is_two_kernels_back_to_back(m, n, k):
@@ -370,7 +375,7 @@ def test_lowered_mosaic_program_is_two_kernels_back_to_back(m, n, k):
   assert m >= 64 or plan.padded_rows == 64, plan
 
 
-@pytest.mark.skipif(gemm._mosaic_module() is None, reason="pallas_kernels.gemm_mosaic not importable")
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
 def test_lowered_program_check_catches_a_launcher_copy():
   # 12 rows (a multiple of 4, not of 8): the Mosaic GEMM's launcher pads a_q to 16 rows, a copy the test must see.
   text, plan = _gpu_program("mosaic", 12, 1536, 7168, row_alignment=1)
@@ -541,12 +546,12 @@ def test_concurrent_eager_calls_compile_each_bucket_once(rng):
 def test_failed_compilations_are_not_cached(rng, monkeypatch):
   w_q, w_s = (jnp.asarray(a) for a in make_weight(rng, 64, 128))
   x = np.ones((3, 128), np.float32)
-  real_apply = linear._apply
-  monkeypatch.setattr(linear, "_apply", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+  real_apply = linear.planner.apply
+  monkeypatch.setattr(linear.planner, "apply", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
   with pytest.raises(RuntimeError, match="boom"):
     w8a8_block_fp8_linear(x, w_q, w_s, (128, 128))
   assert linear.cache_info().executables == 0
-  monkeypatch.setattr(linear, "_apply", real_apply)
+  monkeypatch.setattr(linear.planner, "apply", real_apply)
   assert w8a8_block_fp8_linear(x, w_q, w_s, (128, 128)).shape == (3, 64)
 
 
@@ -597,7 +602,7 @@ def test_gpu_linear_is_quantizer_then_gemm(m, rng):
   # Decode fusion: one jitted linear launches the quantizer, then exactly the kernels of the GEMM called alone on its
   # output (the Triton decode GEMM adds an f32 -> bf16 convert of its own), and nothing else: the slice of padded
   # output rows launches no kernel (seen on the H200 at M=1 and M=300).
-  from jaxfp8 import timing
+  from jaxfp8.tools import timing
   n, k = 1536, 7168
   w_q, w_s = (jnp.asarray(a) for a in make_weight(rng, n, k))
   bias = jnp.asarray(rng.standard_normal(n), F32)
@@ -630,7 +635,7 @@ def test_gpu_dispatch_matches_the_device():
 # ---- the benchmark's plumbing on CPU (a fake timer; the real numbers come from the GPU) -----------------------------
 
 def test_bench_linear_plumbing(monkeypatch, tmp_path):
-  from jaxfp8 import bench_linear, timing
+  from jaxfp8.tools import bench_linear, timing
 
   def fake_median(fn, arg_sets, *, iterations=30, sync=jax.block_until_ready):
     sync(fn(*arg_sets[0]))

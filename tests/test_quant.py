@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
+
 import jaxfp8
 from jaxfp8 import _platform
 from jaxfp8 import reference as ref
@@ -20,10 +22,6 @@ from quant_checks import INPUT_DTYPES, assert_matches_reference, random_activati
 IMPLEMENTATIONS = ["xla", "triton", "mosaic"]
 ON_GPU = _platform.gpu_compute_capability() is not None
 
-
-def _runnable(implementation: str) -> None:
-  if ON_GPU and implementation == "mosaic" and not _platform.is_hopper():
-    pytest.skip("the Mosaic GPU kernel needs Hopper")
 
 
 def _quantize_and_compare(x, group_size, implementation, *, context="", scale_ulps=0, exact_codes=None, **options):
@@ -54,7 +52,7 @@ OPTION_SETS = [
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_every_option(implementation, options, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   # 13 rows (not a multiple of any alignment), 5 groups of 64 (packed words with an unused byte).
   x = random_activations(rng, (13, 320), INPUT_DTYPES["bf16"])
   _quantize_and_compare(x, 64, implementation, **options)
@@ -73,7 +71,7 @@ SHAPE_CASES = list(zip(
 @pytest.mark.parametrize("m, k_and_group, dtype", SHAPE_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_shapes(implementation, m, k_and_group, dtype, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   k, group_size = k_and_group
   x = random_activations(rng, (m, k), INPUT_DTYPES[dtype])
   _quantize_and_compare(x, group_size, implementation, context=f"M={m} K={k} G={group_size} {dtype}",
@@ -83,7 +81,7 @@ def test_shapes(implementation, m, k_and_group, dtype, rng):
 @pytest.mark.parametrize("group_size", [16, 32, 64, 128, 48, 96])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_group_sizes(implementation, group_size, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   x = random_activations(rng, (7, group_size * 6), INPUT_DTYPES["f32"])
   _quantize_and_compare(x, group_size, implementation, row_alignment=4, scale_ue8m0=True, pack_ue8m0=True)
   _quantize_and_compare(x, group_size, implementation)
@@ -92,7 +90,7 @@ def test_group_sizes(implementation, group_size, rng):
 @pytest.mark.parametrize("dtype", list(INPUT_DTYPES))
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fused_silu_and_mul(implementation, dtype, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   x = random_activations(rng, (9, 2 * 256), INPUT_DTYPES[dtype], spread=False) * 4
   # exp() is rounded differently by each math library, so the SiLU value v itself may differ by an ulp of its dtype
   # (rarely, after rounding to bf16/f16): its group's scale by an ulp or two, and a code by one step even with UE8M0
@@ -105,7 +103,7 @@ def test_fused_silu_and_mul(implementation, dtype, rng):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_masked_m(implementation, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   x = random_activations(rng, (4, 11, 256), INPUT_DTYPES["bf16"])
   masked_m = np.array([0, 11, 5, 99], np.int32)  # empty, full, partial, beyond T (clamped)
   for options in (dict(column_major_scales=True, row_alignment=4, scale_tma_aligned=True), dict(),
@@ -119,7 +117,7 @@ def test_masked_m(implementation, rng):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_nan_and_inf_rows(implementation, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   x = random_activations(rng, (6, 256), np.float32)
   x[1, 3] = np.nan          # group 0 of row 1 gets a NaN scale; group 1 stays finite
   x[2, 200] = np.inf        # group 1 of row 2: scale inf, finite values -> 0, inf/inf -> NaN
@@ -139,7 +137,7 @@ def test_codes_are_exact_on_wide_data(implementation, rng):
   XLA's reciprocal rewrite and the Triton kernel its reciprocal multiply (FMA residual), so both are held to zero.
   The Mosaic kernel's f32 division is not correctly rounded on the H200 (1 code of 1M one step off, 2026-11-29),
   so it is held to the SPEC's bound until it gets the same correction."""
-  _runnable(implementation)
+  helpers.runnable(implementation)
   if implementation != "xla" and not ON_GPU:
     pytest.skip("interpret mode divides through XLA on CPU, which rewrites x / s into x * (1 / s)")
   x = (rng.standard_normal((512, 2048)) * np.exp2(rng.integers(-30, 30, (512, 1)))).astype(np.float32)
@@ -150,7 +148,7 @@ def test_codes_are_exact_on_wide_data(implementation, rng):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_padded_and_unpadded_agree_on_live_rows(implementation, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   x = random_activations(rng, (29, 384), INPUT_DTYPES["bf16"])
   q1, s1 = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, implementation=implementation)
   q4, s4 = jaxfp8.per_token_group_quant_fp8_row_padded(jnp.asarray(x), 128, implementation=implementation)
@@ -178,34 +176,37 @@ def test_works_under_jit(rng):
   assert_matches_reference(q, s, ref_q, ref_s, exact_codes=False)
 
 
-def test_default_implementation_on_cpu_is_xla():
-  if ON_GPU:
-    pytest.skip("CPU dispatch")
-  from jaxfp8.quant import resolve_implementation
-  assert resolve_implementation(None, interpret=True) == "xla"
-
-
-def test_default_implementation_by_device_and_size(monkeypatch):
+def _problem(rows: int, k: int = 7168):
   from jaxfp8 import quant
-  monkeypatch.setattr(_platform, "is_hopper", lambda: True)
-  monkeypatch.setattr(_platform, "has_fp8_gpu", lambda: True)
-  assert quant.resolve_implementation(None, False, num_elements=64 * 7168) == "triton"
-  assert quant.resolve_implementation(None, False, num_elements=4096 * 7168) == "mosaic"
-  assert quant.resolve_implementation(None, False) == "mosaic"
-  monkeypatch.setattr(_platform, "is_hopper", lambda: False)
-  assert quant.resolve_implementation(None, False, num_elements=4096 * 7168) == "triton"
-  monkeypatch.setattr(_platform, "has_fp8_gpu", lambda: False)
-  assert quant.resolve_implementation(None, False) == "xla"
+  return quant.problem(1, rows, k, jnp.bfloat16, group_size=128, eps=1e-10)
+
+
+def test_default_implementation_on_cpu_is_xla():
+  from jaxfp8 import quant
+  plan = quant.plan(_problem(64), device=helpers.fake_device(None))
+  assert plan.implementation == "xla" and "no NVIDIA GPU" in plan.reason
+  # interpret=True with no implementation named on a GPU: XLA, said so.
+  assert quant.plan(_problem(64), interpret=True, device=helpers.fake_device((9, 0))).implementation == "xla"
+
+
+def test_default_implementation_by_device_and_size():
+  from jaxfp8 import quant
+  hopper, ada, ampere = (helpers.fake_device(c) for c in ((9, 0), (8, 9), (8, 0)))
+  small = quant.plan(_problem(64), interpret=False, device=hopper)
+  assert small.implementation == "triton" and "launch-bound" in small.reason
+  if helpers.MOSAIC_QUANT_IMPORTABLE:
+    large = quant.plan(_problem(4096), interpret=False, device=hopper)
+    assert large.implementation == "mosaic" and large.config is not None
+  assert quant.plan(_problem(4096), interpret=False, device=ada).implementation == "triton"
+  assert quant.plan(_problem(4096), interpret=False, device=ampere).implementation == "xla"
   # An explicit implementation is honoured where it can run, refused where it cannot.
-  assert quant.resolve_implementation("mosaic", True) == "mosaic"
-  with pytest.raises(ValueError, match="implementation='triton'"):
-    quant.resolve_implementation("triton", False)
+  assert quant.plan(_problem(8), implementation="mosaic", interpret=True, device=ampere).implementation == "mosaic"
+  with pytest.raises(ValueError, match="implementation='triton' needs an NVIDIA GPU with sm >= 8.9"):
+    quant.plan(_problem(8), implementation="triton", interpret=False, device=ampere)
 
 
-def test_config_selects_its_kernel(rng, monkeypatch):
-  from pallas_kernels.quant_triton import QuantTritonConfig
-  monkeypatch.setattr(_platform, "is_hopper", lambda: True)  # the size-based default would pick Mosaic here
-  monkeypatch.setattr(_platform, "has_fp8_gpu", lambda: True)
+def test_config_selects_its_kernel(rng):
+  from jaxfp8.kernels.quant_triton import QuantTritonConfig
   x = random_activations(rng, (1024, 1024), INPUT_DTYPES["bf16"])
   q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, config=QuantTritonConfig(block_rows=8), interpret=True)
   ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128)
@@ -258,7 +259,7 @@ def test_kernel_without_gpu_needs_interpret(implementation):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("m, k", [(1, 7168), (13, 18432), (64, 2048), (1000, 7168), (4096, 7168)])
 def test_gpu_real_sizes_on_poisoned_memory(implementation, m, k, rng):
-  _runnable(implementation)
+  helpers.runnable(implementation)
   x = random_activations(rng, (m, k), INPUT_DTYPES["bf16"])
   for options in (dict(column_major_scales=True, scale_tma_aligned=True, row_alignment=4),
                   dict(scale_ue8m0=True, pack_ue8m0=True, scale_tma_aligned=True, row_alignment=4)):

@@ -1,6 +1,6 @@
 """Tensor-parallel block-FP8 linears over several devices: checked against one device, and timed against one device.
 
-`python -m jaxfp8.bench_tp` makes a 1-D mesh (axis "tp") over the first P local devices and, for each weight shape
+`python -m jaxfp8.tools.bench_tp` makes a 1-D mesh (axis "tp") over the first P local devices and, for each weight shape
 (N, K) of shapes.json (DeepSeek-V3 by default) and each row count M, runs on random bf16 activations and weights made
 by `quantize_weight_blockwise` (block (128, 128)), without bias:
   single         the whole layer on device 0: jitted `w8a8_block_fp8_linear` (the baseline);
@@ -38,11 +38,11 @@ low-rank q_a / kv_a projections stay replicated and are skipped), and shapes giv
 "both" runs every shape in both modes, "column" / "row" in one. A mode whose split would not give every device whole
 128-blocks (N/P for column, K/P for row) is skipped and listed in the JSON.
 
-    python -m jaxfp8.bench_tp --out=benchmarks/tp_h200.json                       # all local GPUs, DeepSeek-V3
-    python -m jaxfp8.bench_tp --devices=2 --m=1,64,4096 --parallel=both --out=...
+    python -m jaxfp8.tools.bench_tp --out=benchmarks/tp_h200.json                       # all local GPUs, DeepSeek-V3
+    python -m jaxfp8.tools.bench_tp --devices=2 --m=1,64,4096 --parallel=both --out=...
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-        python -m jaxfp8.bench_tp --shapes="512,256;256,512" --m=1,5 --out=/tmp/tp_cpu.json   # CPU: checks only
-    python -m jaxfp8.bench_tp --rerender=/tmp/tp_h200.json --out=benchmarks/tp_h200.json   # runs nothing
+        python -m jaxfp8.tools.bench_tp --shapes="512,256;256,512" --m=1,5 --out=/tmp/tp_cpu.json   # CPU: checks only
+    python -m jaxfp8.tools.bench_tp --rerender=/tmp/tp_h200.json --out=benchmarks/tp_h200.json   # runs nothing
 
 --rerender re-derives a saved JSON with the current kernel classifier (the collective / compute split and the
 speedups, from the per-kernel records it holds; every measurement and check stays) and records that in the JSON.
@@ -67,7 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxfp8 import _bench_io, _platform, bench, bench_gemm, bench_linear, linear, timing, weights
+from jaxfp8 import _platform, linear, weights
+from jaxfp8.tools import results as _bench_io, bench, bench_gemm, bench_linear, timing
 from jaxfp8 import reference as ref
 
 AXIS = "tp"
@@ -649,7 +650,7 @@ def markdown_table(result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   argv = list(sys.argv[1:] if argv is None else argv)
-  parser = argparse.ArgumentParser(prog="python -m jaxfp8.bench_tp", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m jaxfp8.tools.bench_tp", description=__doc__.split("\n")[0])
   parser.add_argument("--out", default=None,
                       help="results JSON (a .md table goes beside it; default benchmarks/tp_h200.json)")
   parser.add_argument("--rerender", default=None, metavar="IN.json",
@@ -668,7 +669,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       help="start no new case after this many seconds (0: no limit; default %(default)s)")
   parser.add_argument("--seed", type=int, default=None)
   args = parser.parse_args(argv)
-  command = "python -m jaxfp8.bench_tp " + " ".join(argv)
+  command = "python -m jaxfp8.tools.bench_tp " + " ".join(argv)
   if args.rerender:
     run_options = [f"--{name}" for name, value in vars(args).items()
                    if name not in ("out", "rerender") and value != parser.get_default(name)]

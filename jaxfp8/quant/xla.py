@@ -1,4 +1,7 @@
-"""Per-token-group FP8 quantization in plain jnp (any platform). Same contract as the Pallas kernels."""
+"""The XLA quantizer: per-token-group FP8 quantization in plain jnp, on any platform (docs/CONTRACT.md §1).
+
+Also the backend interface the planner asks (`unavailable`, `unsupported`, `default_config`, `launch`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfp8._exact_division import divide_correctly_rounded
+from jaxfp8.kernels.exact_division import divide_correctly_rounded
+
+CONFIG_CLASS = None  # no kernel, nothing to configure
 
 FP8_MAX = 448.0
 R = float(np.float32(1.0 / 448.0))
@@ -50,11 +55,8 @@ def per_token_group_quant(
     scale_cols: int,
     scale_ue8m0: bool,
     fuse_silu_and_mul: bool,
-    config=None,
-    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """x (E, T, K_in) -> q (E, out_rows, K) e4m3fn and scales in `scale_layout` ("row", "col", "col_packed")."""
-  del config, interpret
   batch, rows_in, k_in = x.shape
   xf = x.astype(jnp.float32)
   if fuse_silu_and_mul:
@@ -90,3 +92,30 @@ def per_token_group_quant(
   # Group 4i+j in byte j of word i (little-endian).
   word = exponent[:, :, 0] | (exponent[:, :, 1] << 8) | (exponent[:, :, 2] << 16) | (exponent[:, :, 3] << 24)
   return q, word
+
+
+def config_class():
+  return None
+
+
+def unavailable(device, interpret: bool) -> str | None:
+  del device, interpret
+  return None  # runs wherever JAX does
+
+
+def unsupported(problem) -> str | None:
+  del problem
+  return None
+
+
+def default_config(problem, device):
+  del problem, device
+  return None, "XLA has no kernel config"
+
+
+def launch(x3, valid_rows, problem, config, interpret):
+  del config, interpret
+  return per_token_group_quant(
+      x3, valid_rows, group_size=problem.group_size, eps=problem.eps, out_rows=problem.out_rows,
+      scale_layout=problem.scale_layout, scale_cols=problem.scale_cols, scale_ue8m0=problem.scale_ue8m0,
+      fuse_silu_and_mul=problem.fuse_silu_and_mul)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import _bench_io, quant, timing
+from jaxfp8 import quant
+from jaxfp8.tools import results as _bench_io, timing
 
 DEFAULT_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 DEFAULT_KS = (512, 2048, 7168, 18432)

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxfp8 import _exact_division
+from . import exact_division
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -50,7 +50,6 @@ _WARPS = 4
 _WARP_SIZE = 32
 _TMA_MAX_BOX = 256  # a TMA box has at most 256 elements along every dimension
 _MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
-_NUM_SMS = 132  # H100 / H200
 _MAX_GROUP_LANES = 8
 # On the GPU, f32 -> e4m3 is `cvt.rn.satfinite.e4m3x2.f32`, which already maps |v| > 448 and +-inf to +-448 and
 # NaN to NaN: exactly e4m3(clip(v, -448, 448)). The explicit clip (two instructions per element) is then only
@@ -86,24 +85,6 @@ class QuantMosaicConfig:
         raise ValueError(f"QuantMosaicConfig.{name} must be a positive int, got {value!r}")
     if self.block_rows > _TMA_MAX_BOX or self.groups_per_block > _TMA_MAX_BOX:
       raise ValueError(f"block_rows and groups_per_block must be <= {_TMA_MAX_BOX}, got {self}")
-
-
-def default_config(
-    *, experts: int, scale_rows: int, groups: int, group_size: int, itemsize: int, num_sms: int = _NUM_SMS
-) -> QuantMosaicConfig:
-  """The heuristic used when no config is given (untuned until the H200 sweep).
-
-  One block of 16 rows and about 16 KiB of input per CTA (16 x 512 bf16 at G = 128): 24 KiB of shared memory and
-  about 64 values per thread, so several CTAs share an SM and their TMA loads overlap each other's compute. With
-  few rows (decode), fewer rows per CTA while that leaves fewer than two CTAs per SM, so that the whole GPU pulls
-  on the memory system.
-  """
-  groups_per_block = _pow2_floor(max(1, _TARGET_BLOCK_BYTES // (16 * group_size * itemsize)))
-  group_blocks = _ceil_div(groups, min(groups_per_block, groups))
-  block_rows = 16
-  while block_rows > 4 and experts * _ceil_div(scale_rows, block_rows) * group_blocks < 2 * num_sms:
-    block_rows //= 2
-  return QuantMosaicConfig(block_rows=block_rows, groups_per_block=groups_per_block)
 
 
 def _pow2_floor(n: int) -> int:
@@ -293,31 +274,17 @@ def _interpret_mode_forced() -> bool:
     return False
 
 
-def _validate(x, valid_rows, group_size, out_rows, scale_layout, scale_cols, scale_ue8m0, fuse):
-  if x.ndim != 3:
-    raise ValueError(f"x must be (E, T, K_in), got shape {x.shape}")
-  if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-    raise ValueError(f"x.dtype must be bfloat16, float16 or float32, got {x.dtype}")
-  if valid_rows.shape != (x.shape[0],) or valid_rows.dtype != jnp.int32:
-    raise ValueError(f"valid_rows must be int32 of shape {(x.shape[0],)}, got {valid_rows.dtype}{valid_rows.shape}")
+def problems(*, group_size: int, scale_layout: str, scale_ue8m0: bool) -> list[str]:
+  """What this kernel cannot do for a quantization problem (empty: nothing)."""
+  found = []
   if scale_layout not in SCALE_LAYOUTS:
-    raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    found.append(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
   if scale_layout == "col_packed" and not scale_ue8m0:
-    raise ValueError("scale_layout='col_packed' requires scale_ue8m0=True")
+    found.append("scale_layout='col_packed' requires scale_ue8m0=True")
   # A group's fp8 codes must be whole 16-byte TMA units, and a group must fit in one TMA box.
   if group_size % 16 or not 16 <= group_size <= _TMA_MAX_BOX:
-    raise ValueError(
-        f"group_size must be a multiple of 16 in [16, {_TMA_MAX_BOX}] for the Mosaic kernel, got {group_size}")
-  k_in = x.shape[2]
-  if fuse and k_in % 2:
-    raise ValueError(f"fuse_silu_and_mul needs an even last dim, got K_in={k_in}")
-  k = k_in // 2 if fuse else k_in
-  if k == 0 or k % group_size:
-    raise ValueError(f"K={k} must be a positive multiple of group_size={group_size}")
-  if out_rows < x.shape[1]:
-    raise ValueError(f"out_rows={out_rows} must be >= T={x.shape[1]}")
-  if scale_layout != "row" and scale_cols < out_rows:
-    raise ValueError(f"scale_cols={scale_cols} must be >= out_rows={out_rows}")
+    found.append(f"group_size must be a multiple of 16 in [16, {_TMA_MAX_BOX}], got {group_size}")
+  return found
 
 
 def per_token_group_quant(
@@ -331,11 +298,18 @@ def per_token_group_quant(
     scale_cols: int,
     scale_ue8m0: bool,
     fuse_silu_and_mul: bool,
-    config: QuantMosaicConfig | None = None,
+    config: QuantMosaicConfig,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """q (E, out_rows, K) float8_e4m3fn and scales in `scale_layout`; see the module docstring."""
-  _validate(x, valid_rows, group_size, out_rows, scale_layout, scale_cols, scale_ue8m0, fuse_silu_and_mul)
+  """q (E, out_rows, K) float8_e4m3fn and scales in `scale_layout`; see the module docstring.
+
+  The caller validates the arguments (`problems` says what this kernel cannot do) and chooses the config.
+  """
+  # Invariants of the buffers, not user input: a violation would leave outputs unwritten.
+  if out_rows < x.shape[1]:
+    raise ValueError(f"out_rows={out_rows} must be >= T={x.shape[1]}")
+  if scale_layout != "row" and scale_cols < out_rows:
+    raise ValueError(f"scale_cols={scale_cols} must be >= out_rows={out_rows}")
   # Under plgpu.force_gpu_interpret_mode(params) the kernel must not override the forced params.
   forced_interpret = _interpret_mode_forced()
   interpret_params = plgpu.InterpretGPUParams() if interpret and not forced_interpret else None
@@ -346,10 +320,6 @@ def per_token_group_quant(
   groups = k // group_size
   words = _ceil_div(groups, 4)
   itemsize = jnp.dtype(x.dtype).itemsize
-  if config is None:
-    config = default_config(
-        experts=experts, scale_rows=out_rows if scale_layout == "row" else scale_cols, groups=groups,
-        group_size=group_size, itemsize=itemsize)
   if scale_layout == "row":
     s_shape, s_dtype = (experts, out_rows, groups), jnp.float32
   elif scale_layout == "col":
@@ -504,7 +474,7 @@ def _kernel_body(
       scale = _ue8m0_round_up(scale)
     scale_full = plgpu.layout_cast(lax.broadcast_in_dim(scale, outer + (g,), (0, 1)), layout_pl)
     if interpret:  # XLA executes the body: its `/` by a broadcast becomes a reciprocal multiply
-      v = _exact_division.divide_correctly_rounded(x.astype(jnp.float32), scale_full)
+      v = exact_division.divide_correctly_rounded(x.astype(jnp.float32), scale_full)
     else:
       v = x.astype(jnp.float32) / scale_full  # IEEE division (div.rn.f32), not a reciprocal multiply
     if interpret or not _SATFINITE_CAST:

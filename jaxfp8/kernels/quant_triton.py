@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxfp8 import _exact_division
+from . import exact_division
 
 FP8_MAX = 448.0
 # float32(1/448): scale = amax * R, a multiply every backend rounds identically (SPEC 1).
@@ -39,17 +39,6 @@ class QuantTritonConfig:
         raise ValueError(f"QuantTritonConfig.{name} must be a positive power of two, got {value}")
 
 
-def default_config(rows: int, groups: int, group_size: int, scale_layout: str) -> QuantTritonConfig:
-  """A 4-row by 512-column tile per program: many small programs in flight for the memory system."""
-  groups_per_block = max(1, 512 // pl.next_power_of_2(group_size))
-  groups_per_block = min(groups_per_block, pl.next_power_of_2(groups))
-  if scale_layout == "col_packed":
-    groups_per_block = max(4, groups_per_block)
-  # Measured on H200 (scripts/sweep_quant_triton.py): 4-row tiles beat 16- and 32-row ones at every M.
-  block_rows = min(4, pl.next_power_of_2(max(rows, 1)))
-  return QuantTritonConfig(block_rows=block_rows, groups_per_block=groups_per_block, num_warps=4)
-
-
 def _reciprocal(s: jax.Array, *, interpret: bool) -> jax.Array:
   """1/s correctly rounded (PTX rcp.rn; once per group, so its cost does not matter)."""
   if interpret:
@@ -69,7 +58,7 @@ def _divide(x: jax.Array, s: jax.Array, r: jax.Array, *, interpret: bool) -> jax
   scales (a group holding inf) take the plain quotient, whose x/inf = 0 and inf/inf = NaN are what IEEE gives.
   """
   if interpret:  # XLA executes the body: its `/` becomes a reciprocal multiply
-    return _exact_division.divide_correctly_rounded(x, s)
+    return exact_division.divide_correctly_rounded(x, s)
   (corrected,) = plt.elementwise_inline_asm(
       """{
       .reg .f32 q0, neg_q0, residual;
@@ -163,7 +152,7 @@ def per_token_group_quant(
     scale_cols: int,
     scale_ue8m0: bool,
     fuse_silu_and_mul: bool,
-    config: QuantTritonConfig | None = None,
+    config: QuantTritonConfig,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Quantizes x (E, T, K_in) into q (E, out_rows, K) e4m3fn and scales in `scale_layout`.
@@ -175,8 +164,6 @@ def per_token_group_quant(
   groups = k // group_size
   if scale_layout not in SCALE_LAYOUTS:
     raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
-  if config is None:
-    config = default_config(out_rows, groups, group_size, scale_layout)
   if scale_layout == "col_packed" and config.groups_per_block % 4:
     raise ValueError(f"the packed UE8M0 layout needs groups_per_block % 4 == 0, got {config.groups_per_block}")
 

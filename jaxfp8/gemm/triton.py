@@ -1,4 +1,5 @@
-"""Tile configurations of the Triton block-FP8 GEMM: a shipped per-shape table, and a heuristic for everything else.
+"""The Triton GEMM backend (any sm >= 8.9 GPU): its shipped per-shape table of tuned configs, its heuristic for
+everything else, and its launch.
 
 The table (`configs/triton_gemm_h200.json`, written by `python -m jaxfp8.tune`) is keyed by weight shape, scale block and
 M bucket:  "N,K,gn,gk,bucket" -> {"config": {...TritonGemmConfig fields...}, "us": median kernel time, ...}.
@@ -16,7 +17,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil
+from jaxfp8 import _platform
+from jaxfp8.kernels import gemm_triton
+from jaxfp8.kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil
+
+KERNEL_MODULE = "jaxfp8.kernels.gemm_triton"
+CONFIG_CLASS = "TritonGemmConfig"
 
 H200_TABLE = "triton_gemm_h200.json"
 # Token counts the table is tuned for (the decode and prefill M of shapes.json).
@@ -40,7 +46,7 @@ def table_key(n: int, k: int, block_size: tuple[int, int], bucket: int) -> str:
 def load_table(name: str = H200_TABLE) -> Mapping[str, Any]:
   """The shipped table as a dict ({"device", "tuned", "entries"}); an empty table if the file is missing."""
   try:
-    text = importlib.resources.files("jaxfp8").joinpath("configs", name).read_text()
+    text = importlib.resources.files("jaxfp8.gemm").joinpath("configs", name).read_text()
   except (FileNotFoundError, ModuleNotFoundError):
     return {"device": None, "tuned": False, "entries": {}}
   return json.loads(text)
@@ -126,5 +132,53 @@ def entry_config(entry: Mapping[str, Any] | None, block_size: tuple[int, int]) -
   return None if config_problems(config, block_size) else config
 
 
+# ---- the backend interface the planner asks -------------------------------------------------------------------------
+
+def config_class():
+  return TritonGemmConfig
+
+
+def unavailable(device: _platform.Device, interpret: bool) -> str | None:
+  return _platform.unavailable_reason("the Triton GEMM", device, interpret, hopper=False, module=KERNEL_MODULE)
+
+
+def unsupported(problem) -> str | None:
+  if heuristic_config(max(problem.m, 1), problem.n, problem.k, problem.block_size) is None:
+    return (f"no Triton config can serve block_size={tuple(problem.block_size)}: gk={problem.block_size[1]} is not "
+            f"a multiple of {gemm_triton.MIN_DOT_K} (the narrowest fp8 dot)")
+  return None
+
+
+def row_alignment(m: int) -> tuple[int, str]:
+  del m
+  return 1, "the Triton GEMM masks partial tiles: no padding"
+
+
+def default_config_for(problem, device: _platform.Device):
+  """The tuned table's entry for this device and shape (by the live rows' bucket), else the heuristic."""
+  table = load_table()
+  m = problem.m
+  if _device_table_applies(device.kind, table):
+    entry = _nearest_entry(table.get("entries", {}), problem.n, problem.k, tuple(problem.block_size), m)
+    config = entry_config(entry, problem.block_size)
+    if config is not None:
+      return config, f"tuned for {table.get('device')} (table {H200_TABLE}, M bucket {m_bucket(m)})"
+  config = heuristic_config(m, problem.n, problem.k, problem.block_size, num_sms=device.num_sms)
+  why = "no tuned entry for this device and shape" if device.capability is not None else "no GPU to look up"
+  return config, f"the heuristic ({why})"
+
+
+def config_problem(problem, config) -> str | None:
+  return "; ".join(config_problems(config, problem.block_size)) or None
+
+
+def launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret: bool, device: _platform.Device):
+  del device
+  return gemm_triton.block_fp8_matmul(
+      a_q, b_q, a_s, b_s, bias, block_size=tuple(problem.block_size), a_s_column_major=problem.a_s_column_major,
+      out_dtype=problem.out_dtype, config=config, interpret=interpret,
+      out_rows=problem.m if problem.m != problem.rows else None)
+
+
 __all__ = ["M_BUCKETS", "H200_TABLE", "m_bucket", "table_key", "load_table", "heuristic_config", "get_config",
-           "entry_config"]
+           "entry_config", "TritonGemmConfig"]

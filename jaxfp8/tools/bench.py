@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxfp8 import _bench_io, _platform, bench_gemm, bench_linear, bench_quant, shapes
+from jaxfp8 import _platform, shapes
+from jaxfp8.tools import results as _bench_io, bench_gemm, bench_linear, bench_quant
 
 OPS = ("gemm", "linear", "quant")
 # NVIDIA H200 (SXM) datasheet: FP8 Tensor Core 3958 TFLOP/s with 2:4 sparsity, i.e. 1979 dense.

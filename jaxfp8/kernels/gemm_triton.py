@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.triton_fp8_dot import fp8_group_dot
+from .triton_fp8_dot import fp8_group_dot
 
 # Triton's tt.dot needs every dimension >= 16; an 8-bit MMA consumes K in steps of 32.
 MIN_DOT_MN = 16

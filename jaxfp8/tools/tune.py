@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import _bench_io, _platform, bench_gemm, gemm, gemm_configs, timing
+from jaxfp8 import _platform, gemm
+from jaxfp8.tools import results as _bench_io, bench_gemm, timing
 from jaxfp8 import reference as ref
-from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems, split_k_steps
+from jaxfp8.kernels.gemm_triton import TritonGemmConfig, config_problems, split_k_steps
 
 BF16_BOUND = 5e-3
 
@@ -39,7 +40,7 @@ def _replace(config: TritonGemmConfig, **changes) -> TritonGemmConfig:
 def candidate_configs(m: int, n: int, k: int, block_size: tuple[int, int], *, max_configs: int = 24,
                       num_sms: int = 132) -> list[TritonGemmConfig]:
   """A short list of plausible configs for this problem, the heuristic's first; only configs that can run."""
-  heuristic = gemm_configs.heuristic_config(m, n, k, block_size, num_sms=num_sms)
+  heuristic = gemm.triton.heuristic_config(m, n, k, block_size, num_sms=num_sms)
   if heuristic is None:
     return []
   h_split = heuristic.split_k
@@ -200,7 +201,7 @@ def tune(
         continue
       best = min(timed, key=lambda r: r["us"])
       heuristic_us = next((r["us"] for r in results if r["config"] == candidates[0] and "us" in r), None)
-      entries[gemm_configs.table_key(n, k, block_size, m)] = dict(
+      entries[gemm.triton.table_key(n, k, block_size, m)] = dict(
           config=best["config"].to_dict(), us=round(best["us"], 3),
           tflops=round(2 * m * n * k / (best["us"] * 1e-6) / 1e12, 1),
           heuristic_us=None if heuristic_us is None else round(heuristic_us, 3),
@@ -222,8 +223,8 @@ def tune(
 
 def _incumbent(entries, n: int, k: int, block_size: tuple[int, int], m: int) -> TritonGemmConfig | None:
   """The config of this key's entry in `entries`, else in the shipped table; None when neither has one."""
-  key = gemm_configs.table_key(n, k, block_size, m)
-  return gemm_configs.entry_config(entries.get(key) or gemm_configs.load_table().get("entries", {}).get(key),
+  key = gemm.triton.table_key(n, k, block_size, m)
+  return gemm.triton.entry_config(entries.get(key) or gemm.triton.load_table().get("entries", {}).get(key),
                                    block_size)
 
 
@@ -237,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--shapes", default=None, help="N,K pairs separated by ';' (default: DeepSeek-V3/Qwen3 weights)")
   parser.add_argument("--shapes_json", default=None, help="take the weight shapes from this shapes.json")
   parser.add_argument("--models", default=None, help="comma-separated model keys of --shapes_json")
-  parser.add_argument("--m", default=None, help="comma-separated M buckets (default: jaxfp8.gemm_configs.M_BUCKETS)")
+  parser.add_argument("--m", default=None, help="comma-separated M buckets (default: jaxfp8.gemm.triton.M_BUCKETS)")
   parser.add_argument("--block_size", default="128,128")
   parser.add_argument("--max_configs", type=int, default=24)
   parser.add_argument("--iterations", type=int, default=20)
@@ -253,10 +254,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
   else:
     shapes = [(n, k) for _, n, k in bench_gemm.DEFAULT_SHAPES]
   shapes = list(dict.fromkeys(shapes))
-  m_buckets = [int(v) for v in args.m.split(",")] if args.m else list(gemm_configs.M_BUCKETS)
+  m_buckets = [int(v) for v in args.m.split(",")] if args.m else list(gemm.triton.M_BUCKETS)
   for m in m_buckets:
-    if gemm_configs.m_bucket(m) != m:
-      raise SystemExit(f"--m {m} is not a bucket of jaxfp8.gemm_configs.M_BUCKETS {gemm_configs.M_BUCKETS}")
+    if gemm.triton.m_bucket(m) != m:
+      raise SystemExit(f"--m {m} is not a bucket of jaxfp8.gemm.triton.M_BUCKETS {gemm.triton.M_BUCKETS}")
   block_size = tuple(int(v) for v in args.block_size.split(","))
   return tune(shapes, m_buckets, block_size, args.out, max_configs=args.max_configs, iterations=args.iterations,
               time_budget_s=args.time_budget_s, seed=args.seed)

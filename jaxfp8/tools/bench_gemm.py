@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import _bench_io, gemm, gemm_xla, timing
+from jaxfp8 import gemm
+from jaxfp8.tools import results as _bench_io, baselines, timing
 from jaxfp8 import reference as ref
 
 CONTENDERS = ("triton", "mosaic", "xla", "dequant_bf16", "fp8_per_tensor", "torch_scaled_mm")
@@ -95,7 +96,7 @@ def make_activation(key, m: int, k: int, gk: int):
   return a_q, a_s_col
 
 
-def decode_tile_buffers(a_q, b_q, a_s_col, b_s, rows: int = gemm.MOSAIC_DECODE_ROWS):
+def decode_tile_buffers(a_q, b_q, a_s_col, b_s, rows: int = gemm.mosaic.DECODE_ROWS):
   """The arguments with the activations as the quantizer's buffers padded to `rows` rows (row_alignment=64): zero
   codes and scale 1.0 past M, which is what the Mosaic contender reads below 64 rows (with out_rows=M), as
   `jaxfp8.linear` hands them to it."""
@@ -131,11 +132,11 @@ def jax_contender(name: str, block_size: tuple[int, int], out_rows: int | None =
                           out_dtype=jnp.bfloat16, implementation=name, interpret=False, out_rows=out_rows)
     return jax.jit(lambda a_q, b_q, a_s, b_s: f(a_q, b_q, a_s, b_s))
   if name == "dequant_bf16":
-    return jax.jit(lambda a_q, b_q, a_s, b_s: gemm_xla.dequant_bf16_matmul_baseline(
+    return jax.jit(lambda a_q, b_q, a_s, b_s: baselines.dequant_bf16_matmul_baseline(
         a_q, b_q, a_s, b_s, block_size=block_size, a_s_column_major=True, out_dtype=jnp.bfloat16))
   if name == "fp8_per_tensor":
     one = jnp.float32(1.0)
-    return jax.jit(lambda a_q, b_q, a_s, b_s: gemm_xla.per_tensor_fp8_matmul_baseline(
+    return jax.jit(lambda a_q, b_q, a_s, b_s: baselines.per_tensor_fp8_matmul_baseline(
         a_q, b_q, one, one, out_dtype=jnp.bfloat16))
   raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
 
@@ -246,10 +247,10 @@ def run(
           _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer)
           continue
         fn, args, note = jax_fns[name], arg_sets, None
-        if name == "mosaic" and m < gemm.MOSAIC_DECODE_ROWS:
+        if name == "mosaic" and m < gemm.mosaic.DECODE_ROWS:
           fn = jax_contender(name, block_size, out_rows=m)
           args = [decode_tile_buffers(*arg_set) for arg_set in arg_sets]
-          note = f"the quantizer's {gemm.MOSAIC_DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
+          note = f"the quantizer's {gemm.mosaic.DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
         try:
           out = np.asarray(jax.block_until_ready(fn(*args[0]))).astype(np.float32)
           err = None if name == "fp8_per_tensor" else ref.relative_error(out[np.ix_(sample_rows, cols)], expected)

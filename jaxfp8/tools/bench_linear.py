@@ -5,7 +5,7 @@ Contenders (names for `contenders`), all timed in one process with CUPTI kernel 
   "gemm":         the GEMM alone, same implementation, config and buffer layout as the linear's plan (the padded
                   rows, and out_rows = M where the quantizer padded them), on activations quantized beforehand.
   "quant":        the activation quantizer alone (the plan's implementation and layout).
-  "dequant_bf16": BASELINE `gemm_xla.dequant_bf16_matmul_baseline` on the same quantized activations: XLA dequantizes
+  "dequant_bf16": BASELINE `baselines.dequant_bf16_matmul_baseline` on the same quantized activations: XLA dequantizes
                   both operands to bf16, then one bf16 dot.
   "w8a16_bf16":   BASELINE weight-only: x (bf16) @ dequantize(w_q, w_s) in bf16, as a JAX user without block-FP8
                   kernels writes a linear layer today.
@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import _bench_io, bench_gemm, gemm, gemm_xla, linear, quant, shapes, timing, weights
+from jaxfp8 import gemm, linear, quant, shapes, weights
+from jaxfp8.tools import results as _bench_io, bench_gemm, baselines, timing
 from jaxfp8 import reference as ref
 
 CONTENDERS = ("linear", "gemm", "quant", "dequant_bf16", "w8a16_bf16")
@@ -63,7 +64,7 @@ def _contenders(plan: linear.LinearPlan, block_size: tuple[int, int]) -> dict:
           implementation=plan.implementation, interpret=False, out_rows=plan.gemm_out_rows)),
       "quant": jax.jit(lambda x, w_q, w_s, a_q, a_s: quant.per_token_group_quant_fp8(
           x, block_size[1], **quant_kwargs)),
-      "dequant_bf16": jax.jit(lambda x, w_q, w_s, a_q, a_s: gemm_xla.dequant_bf16_matmul_baseline(
+      "dequant_bf16": jax.jit(lambda x, w_q, w_s, a_q, a_s: baselines.dequant_bf16_matmul_baseline(
           a_q, w_q, a_s, w_s, block_size=block_size, a_s_column_major=col, out_dtype=jnp.bfloat16)),
       "w8a16_bf16": jax.jit(lambda x, w_q, w_s, a_q, a_s: jnp.dot(
           x, weights.dequantize_weight_blockwise(w_q, w_s, block_size, dtype=jnp.bfloat16).T,

@@ -1,0 +1,122 @@
+"""Block-scaled FP8 GEMM (docs/CONTRACT.md §2), `w8a8_block_fp8_matmul`: the public function.
+
+    C[m, n] = out_dtype( bias[n] + sum_g a_s[m, g] * b_s[n // gn, g] * sum_{k in group g} f32(a_q[m, k]) * f32(b_q[n, k]) )
+
+It validates its arguments once, asks `planner.plan` for the implementation and kernel config, and runs the plan.
+Implementations:
+  "mosaic": Pallas Mosaic GPU kernel for Hopper (jaxfp8/kernels/gemm_mosaic.py); block (128, 128), N and K multiples
+            of 128, any M.
+  "triton": Pallas Triton-lowered kernel for any sm >= 8.9 GPU (jaxfp8/kernels/gemm_triton.py); any M, N, K and gn,
+            gk a multiple of 32 (its fp8 dots are 32 to 128 wide in K and never straddle two scale groups).
+  "xla":    jnp, any platform (jaxfp8/gemm/xla.py).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from jaxfp8 import _checks
+from jaxfp8.gemm import planner
+
+OUT_DTYPES = _checks.FLOAT_DTYPES
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def w8a8_block_fp8_matmul(
+    a_q: jax.Array,
+    b_q: jax.Array,
+    a_s: jax.Array,
+    b_s: jax.Array,
+    block_size: tuple[int, int],
+    *,
+    a_s_column_major: bool = False,
+    out_dtype=jnp.bfloat16,
+    bias: jax.Array | None = None,
+    implementation: str | None = None,
+    config=None,
+    out_rows: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """C = (a_q * a_s) @ (b_q * b_s)^T with block scales, accumulated in float32 (docs/CONTRACT.md §2).
+
+  Args:
+    a_q: (M, K) float8_e4m3fn activations.
+    b_q: (N, K) float8_e4m3fn weight (K contiguous, the Hugging Face `weight` layout).
+    a_s: float32 activation scales, one per row and gk columns: (M, ceil(K/gk)), or with a_s_column_major=True the
+      (ceil(K/gk), M') array the quantizer writes with column-major scales (M' >= M; columns past M are ignored).
+    b_s: (ceil(N/gn), ceil(K/gk)) float32 weight scales (`weight_scale_inv`).
+    block_size: (gn, gk), the weight's scale block; gk is also the activations' group size.
+    a_s_column_major: whether a_s is the column-major (ceil(K/gk), M') array.
+    out_dtype: bfloat16 (default), float16 or float32.
+    bias: optional (N,) floating array, added in float32 before the cast.
+    implementation: "mosaic", "triton", "xla", or None for the best one here (`plan_for` says which, and why).
+    config: a TritonGemmConfig for "triton" (None: the tuned table or the heuristic), the Mosaic kernel's config
+      for "mosaic"; must be None for "xla".
+    out_rows: compute and return only the first out_rows rows; the later rows of a_q (and a_s) are padding, e.g.
+      the zero rows of the quantizer's `row_alignment`, so that padded buffers go in without a slice. The Mosaic
+      kernel reads them in whole 64-row tiles, which at M < 64 is faster than having TMA fill the missing rows
+      (quantize with row_alignment=64 for that; `jaxfp8.linear` does).
+    interpret: run Pallas kernels in interpret mode; None means True when there is no GPU.
+
+  Returns:
+    (M, N) array of out_dtype, or (out_rows, N).
+
+  All arguments but the arrays are static: inside `jax.jit`, bind them with functools.partial or static_argnames.
+  """
+  _checks.array("a_q", a_q, (FP8,))
+  _checks.array("b_q", b_q, (FP8,))
+  _checks.array("a_s", a_s, (jnp.dtype(jnp.float32),))
+  _checks.array("b_s", b_s, (jnp.dtype(jnp.float32),))
+  gn, gk = _checks.block_size(block_size)
+  block_size = (gn, gk)
+  a_s_column_major = _checks.flag("a_s_column_major", a_s_column_major)
+  interpret = _checks.interpret(interpret)
+  out_dtype = _checks.float_dtype("out_dtype", out_dtype)
+  m, k = a_q.shape
+  n, k_b = b_q.shape
+  if k_b != k:
+    raise ValueError(f"a_q (M, K) and b_q (N, K) must share K: a_q has shape {tuple(a_q.shape)}, "
+                     f"b_q has shape {tuple(b_q.shape)}")
+  groups = -(-k // gk)
+  n_blocks = -(-n // gn)
+  if a_s_column_major:
+    if a_s.shape[0] != groups or a_s.shape[1] < m:
+      raise ValueError(
+          f"column-major a_s must have shape (ceil(K/gk), M') = ({groups}, >= {m}) for K={k}, gk={gk}, M={m}; "
+          f"got {tuple(a_s.shape)}")
+  elif tuple(a_s.shape) != (m, groups):
+    hint = " (pass a_s_column_major=True for the (ceil(K/gk), M') layout)" if a_s.shape[0] == groups else ""
+    raise ValueError(
+        f"a_s must have shape (M, ceil(K/gk)) = ({m}, {groups}) for K={k}, gk={gk}; got {tuple(a_s.shape)}{hint}")
+  if tuple(b_s.shape) != (n_blocks, groups):
+    raise ValueError(
+        f"b_s must have shape (ceil(N/gn), ceil(K/gk)) = ({n_blocks}, {groups}) for N={n}, K={k}, "
+        f"block_size={block_size}; got {tuple(b_s.shape)}")
+  if bias is not None:
+    _checks.array("bias", bias, OUT_DTYPES, ndim=None)
+    if tuple(bias.shape) != (n,):
+      raise ValueError(f"bias must have shape (N,) = ({n},), got {tuple(bias.shape)}")
+  if out_rows is not None and (isinstance(out_rows, bool) or not isinstance(out_rows, numbers.Integral)
+                               or not 0 < out_rows <= m):
+    raise ValueError(f"out_rows must be an int in [1, M={m}] (the rows of a_q to compute), got {out_rows!r}")
+  out_rows = None if out_rows is None or out_rows == m else int(out_rows)
+
+  p = planner.problem(out_rows or m, n, k, block_size, rows=m, out_dtype=out_dtype, a_s_column_major=a_s_column_major,
+                      has_bias=bias is not None)
+  plan = planner.plan(p, implementation=implementation, config=config, interpret=interpret)
+  return planner.run(a_q, b_q, a_s, b_s, bias, plan=plan)
+
+
+def plan_for(a_q, b_q, block_size, *, out_rows: int | None = None, out_dtype=jnp.bfloat16, a_s_column_major=False,
+             has_bias: bool = False, implementation: str | None = None, config=None,
+             interpret: bool | None = None) -> planner.GemmPlan:
+  """The plan `w8a8_block_fp8_matmul` runs for operands of these shapes (arrays or `jax.ShapeDtypeStruct`s)."""
+  m, k = a_q.shape
+  p = planner.problem(out_rows or m, b_q.shape[0], k, _checks.block_size(block_size), rows=m,
+                      out_dtype=_checks.float_dtype("out_dtype", out_dtype), a_s_column_major=a_s_column_major,
+                      has_bias=has_bias)
+  return planner.plan(p, implementation=implementation, config=config,
+                      interpret=_checks.interpret(interpret))

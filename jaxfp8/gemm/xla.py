@@ -1,0 +1,130 @@
+"""The XLA GEMM: block-scaled FP8 GEMM (docs/CONTRACT.md §2) in plain jnp, on any platform.
+
+`block_fp8_matmul_xla` computes what the kernels compute, in the same order: for each K group g, the float32 dot of
+the codes, P_g = f32(a_q[:, group g]) @ f32(b_q[:, group g])^T at `Precision.HIGHEST`, then
+
+    acc += P_g * (a_s[:, g] * b_s[n // gn, g])
+
+over the groups in order (a `lax.fori_loop` carrying one (M, N) accumulator: nothing of size (K/gk, M, N) is built). The
+scales multiply the products, never the operands, so caller scales anywhere in float32's range give a finite
+result whenever the exact one is (dequantizing first would overflow at scales near 1e36). The products of fp8
+codes are exact in float32 and each group sums at most gk of them; with power-of-two scales and small integer codes
+(the exactness check) every partial sum is exact, so the result is bit-exact. `Precision.HIGHEST` matters on GPUs,
+where XLA's default float32 dot may run in TF32.
+
+Also the backend interface the planner asks (`unavailable`, `unsupported`, `default_config_for`, `launch`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+CONFIG_CLASS = None  # no kernel, nothing to configure
+
+
+def row_major_a_scales(a_s: jax.Array, m: int, a_s_column_major: bool) -> jax.Array:
+  """(M, G) float32 whatever the layout (a column-major (G, M') array is sliced to its M live columns)."""
+  return a_s[:, :m].T if a_s_column_major else a_s[:m]
+
+
+def fp8_values(q: jax.Array) -> jax.Array:
+  """float32 values of fp8 codes q, as codes, whatever produced q in the same program.
+
+  XLA's GPU compiler (simplify-fp-conversions, on by default with xla_allow_excess_precision) folds a chain of
+  float converts x -> fp8 -> f32 into x: when a quantizer and this dequantization are jitted together, the GEMM would
+  multiply the unrounded x / s instead of the codes (the XLA linear on the H200: 43% error at M=1, N=1). An
+  optimization barrier keeps the fp8 values.
+  """
+  return lax.optimization_barrier(q).astype(jnp.float32)
+
+
+def dequantize(q: jax.Array, s: jax.Array, rows_per_scale: int, cols_per_scale: int, dtype) -> jax.Array:
+  """q (R, C) times its block scales s (ceil(R/rows_per_scale), ceil(C/cols_per_scale)), in `dtype`."""
+  r, c = q.shape
+  s_full = jnp.repeat(s, rows_per_scale, axis=0, total_repeat_length=r) if rows_per_scale > 1 else s[:r]
+  s_full = jnp.repeat(s_full, cols_per_scale, axis=1, total_repeat_length=c)
+  return (fp8_values(q) * s_full.astype(jnp.float32)).astype(dtype)
+
+
+def contract_k(a: jax.Array, b: jax.Array, **kwargs) -> jax.Array:
+  """a (M, K) . b (N, K) -> (M, N)."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), **kwargs)
+
+
+def block_fp8_matmul_xla(
+    a_q: jax.Array, b_q: jax.Array, a_s: jax.Array, b_s: jax.Array, bias: jax.Array | None, *,
+    block_size: tuple[int, int], a_s_column_major: bool, out_dtype,
+) -> jax.Array:
+  """docs/CONTRACT.md §2 on validated arrays: C (M, N) in out_dtype. See the module docstring for the numerics."""
+  m, k = a_q.shape
+  n = b_q.shape[0]
+  gn, gk = block_size
+  groups = -(-k // gk)
+  a = fp8_values(a_q)
+  if m == 1:
+    # XLA's CPU dot takes a matrix-vector path for one row, whose f32 summation order differs from the matrix path:
+    # a second (zero) row keeps a row's result independent of how many rows share the call (docs/CONTRACT.md §3).
+    a = jnp.concatenate([a, jnp.zeros_like(a)], axis=0)
+  rows = a.shape[0]
+  a_scales = row_major_a_scales(a_s, m, a_s_column_major).astype(jnp.float32)  # (M, G)
+  a_scales = jnp.pad(a_scales, ((0, rows - m), (0, 0)))
+  b_scales = jnp.repeat(b_s.astype(jnp.float32), gn, axis=0, total_repeat_length=n)  # (N, G)
+  # A partial last group is padded with zero codes, which add nothing.
+  a = jnp.pad(a, ((0, 0), (0, groups * gk - k)))
+  b = jnp.pad(fp8_values(b_q), ((0, 0), (0, groups * gk - k)))
+
+  def group_step(g, acc):
+    a_g = lax.dynamic_slice_in_dim(a, g * gk, gk, axis=1)
+    b_g = lax.dynamic_slice_in_dim(b, g * gk, gk, axis=1)
+    partial = contract_k(a_g, b_g, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    scale = lax.dynamic_slice_in_dim(a_scales, g, 1, axis=1) * lax.dynamic_slice_in_dim(b_scales, g, 1, axis=1)[:, 0]
+    return acc + partial * scale
+
+  acc = lax.fori_loop(0, groups, group_step, jnp.zeros((rows, n), jnp.float32))
+  acc = acc[:m]
+  if bias is not None:
+    acc = acc + bias.astype(jnp.float32)[None, :]
+  return acc.astype(out_dtype)
+
+
+# ---- the backend interface the planner asks -------------------------------------------------------------------------
+
+def config_class():
+  return None
+
+
+def unavailable(device, interpret: bool) -> str | None:
+  del device, interpret
+  return None  # runs wherever JAX does
+
+
+def unsupported(problem) -> str | None:
+  del problem
+  return None
+
+
+def row_alignment(m: int) -> tuple[int, str]:
+  del m
+  return 1, "XLA needs no padding"
+
+
+def default_config_for(problem, device):
+  del problem, device
+  return None, "XLA has no kernel config"
+
+
+def config_problem(problem, config) -> str | None:
+  del problem, config
+  return None
+
+
+def launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret: bool, device):
+  del config, interpret, device
+  m = problem.m
+  # Slice the padding rows off (the kernels just leave them unread).
+  a_q = a_q[:m]
+  a_s = a_s if problem.a_s_column_major else a_s[:m]
+  return block_fp8_matmul_xla(a_q, b_q, a_s, b_s, bias, block_size=tuple(problem.block_size),
+                              a_s_column_major=problem.a_s_column_major, out_dtype=problem.out_dtype)

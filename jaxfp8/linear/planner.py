@@ -1,0 +1,159 @@
+"""The linear's planner: the GEMM's plan and the quantizer's plan, made once per call shape, and `apply`.
+
+The linear decides nothing of its own beyond how the two ops meet: it asks the GEMM planner for the implementation
+and the row padding its kernel reads fastest, then has the quantizer write exactly those buffers (rows padded,
+scales in the GEMM's layout), and `apply` runs both plans without checking anything again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxfp8 import _checks, _platform, gemm, quant
+
+EPS = 1e-10  # the default floor of a group's absolute maximum (docs/CONTRACT.md §1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearOptions:
+  """What the caller asked for, besides the arrays (hashable: part of the executable cache key). Validated here."""
+  implementation: str | None = None
+  quant_implementation: str | None = None
+  row_alignment: int | None = None
+  config: Any = None
+  interpret: bool | None = None
+
+  def __post_init__(self):
+    if self.implementation is not None and self.implementation not in gemm.IMPLEMENTATIONS:
+      raise ValueError(f"implementation must be one of {gemm.IMPLEMENTATIONS} or None, got {self.implementation!r}")
+    if self.quant_implementation is not None and self.quant_implementation not in quant.IMPLEMENTATIONS:
+      raise ValueError(f"quant_implementation must be one of {quant.IMPLEMENTATIONS} or None, "
+                       f"got {self.quant_implementation!r}")
+    if self.row_alignment is not None:
+      object.__setattr__(self, "row_alignment", _checks.positive_int("row_alignment", self.row_alignment))
+    if self.config is not None and not (dataclasses.is_dataclass(self.config) and
+                                        self.config.__dataclass_params__.frozen):
+      raise TypeError(f"config must be a GEMM kernel config (TritonGemmConfig or MosaicGemmConfig), "
+                      f"got {type(self.config).__name__}")
+    object.__setattr__(self, "interpret", _checks.interpret(self.interpret))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearPlan:
+  """What a linear call runs and why (`explain` returns it). `str(plan)`: the decisions, one line each."""
+  m: int
+  n: int
+  k: int
+  block_size: tuple[int, int]
+  out_dtype: str
+  row_alignment: int            # the quantizer pads M up to a multiple of this
+  row_reason: str
+  quant: quant.QuantPlan
+  gemm: gemm.GemmPlan
+
+  @property
+  def implementation(self) -> str:
+    return self.gemm.implementation
+
+  @property
+  def quant_implementation(self) -> str:
+    return self.quant.implementation
+
+  @property
+  def config(self):
+    """The GEMM kernel config that runs."""
+    return self.gemm.config
+
+  @property
+  def quant_config(self):
+    return self.quant.config
+
+  @property
+  def reason(self) -> str:
+    return self.gemm.reason
+
+  @property
+  def interpret(self) -> bool:
+    return self.gemm.interpret
+
+  @property
+  def scale_layout(self) -> str:
+    """"col": column-major TMA-aligned (K/gk, M_pad') scales; "row": (M, K/gk)."""
+    return self.quant.problem.scale_layout
+
+  @property
+  def padded_rows(self) -> int:
+    """Rows of the quantized activations (the GEMM computes only the first M of them)."""
+    return self.quant.problem.out_rows
+
+  @property
+  def gemm_out_rows(self) -> int | None:
+    """The GEMM's `out_rows`: M where the quantizer padded the rows, else None."""
+    return self.m if self.padded_rows != self.m else None
+
+  def summary(self) -> str:
+    pallas = self.implementation != "xla" or self.quant_implementation != "xla"
+    mode = " (interpreted)" if self.interpret and pallas else ""
+    rows = (f"M={self.m} padded to {self.padded_rows} rows by the quantizer, the GEMM computes {self.m}"
+            if self.padded_rows != self.m else f"M={self.m}, no padding")
+    layout = "column-major" if self.scale_layout == "col" else "row-major"
+    return (f"{self.implementation} GEMM + {self.quant_implementation} quantizer{mode}; {rows}; {layout} scales; "
+            f"N={self.n}, K={self.k}, block_size={self.block_size}, out {self.out_dtype}")
+
+  def __str__(self) -> str:
+    return "\n".join([self.summary(), f"  GEMM: {self.gemm}", f"  quantizer: {self.quant}",
+                      f"  rows: {self.row_reason}"])
+
+
+def _quant_family(gemm_implementation: str, device: _platform.Device, interpret: bool) -> tuple[str, str]:
+  """Each GEMM family quantizes with its own kernel, which writes the buffers that GEMM reads; the Mosaic GEMM falls
+  back to the Triton quantizer where its own is missing."""
+  if gemm_implementation == "mosaic" and (why := quant.planner.mosaic.unavailable(device, interpret)):
+    return "triton", f"the Mosaic GEMM's own quantizer is unavailable ({why}): the Triton quantizer"
+  return gemm_implementation, f"the {gemm_implementation} GEMM's own quantizer, writing the buffers it reads"
+
+
+def plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, x_dtype, options: LinearOptions,
+         has_bias: bool = False, device: _platform.Device | None = None) -> LinearPlan:
+  """The plans of a linear call of M rows (M = 0 plans as M = 1: nothing runs, but `explain` still answers), for
+  `device` (default: the device programs are built for now)."""
+  device = device or _platform.device()
+  interpret = _platform.resolve_interpret(options.interpret)
+  out_dtype = jnp.dtype(out_dtype)
+  live = max(m, 1)
+  implementation, reason = gemm.planner.choose(
+      gemm.problem(live, n, k, block_size, out_dtype=out_dtype, has_bias=has_bias),
+      implementation=options.implementation, config=options.config, interpret=interpret, device=device)
+  if options.row_alignment is not None:
+    alignment, row_reason = options.row_alignment, f"row_alignment={options.row_alignment} was asked for"
+  else:
+    alignment, row_reason = gemm.row_alignment(implementation, live)
+  rows = _checks.round_up(m, alignment)
+  column_major = implementation != "xla"  # the kernels read column-major scales; XLA needs no transpose
+  gemm_plan = gemm.plan(
+      gemm.problem(m, n, k, block_size, rows=rows, out_dtype=out_dtype, a_s_column_major=column_major,
+                   has_bias=has_bias),
+      implementation=implementation, config=options.config, interpret=interpret, device=device, reason=reason)
+  if options.quant_implementation is None:
+    quant_implementation, quant_reason = _quant_family(implementation, device, interpret)
+  else:
+    quant_implementation, quant_reason = options.quant_implementation, (
+        f"quant_implementation={options.quant_implementation!r} was asked for")
+  quant_plan = quant.plan(
+      quant.problem(1, m, k, x_dtype, group_size=block_size[1], eps=EPS, row_alignment=alignment,
+                    scale_layout="col" if column_major else "row", scale_tma_aligned=column_major),
+      implementation=quant_implementation, interpret=interpret, device=device, reason=quant_reason,
+      option="quant_implementation")
+  return LinearPlan(m, n, k, tuple(block_size), out_dtype.name, alignment, row_reason, quant_plan, gemm_plan)
+
+
+def apply(x, w_q, w_s, bias, plan: LinearPlan):
+  """Quantize (into the GEMM's buffers, padded by the quantizer itself), GEMM, (..., N). Traceable; checks nothing."""
+  lead = tuple(x.shape[:-1])
+  q, s = quant.run(jnp.reshape(x, (1, math.prod(lead), x.shape[-1])), None, plan=plan.quant)
+  out = gemm.run(q[0], w_q, s[0], w_s, bias, plan=plan.gemm)
+  return out.reshape(*lead, plan.n)
