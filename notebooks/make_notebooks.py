@@ -108,9 +108,9 @@ from jaxfp8.tools import plot as jaxfp8_plot
 
 root = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks").is_dir() and (p / "jaxfp8").is_dir())
 everything = {path.name: json.loads(path.read_text()) for path in sorted((root / "benchmarks").glob("*.json"))}
-# Benchmark-command results carry rows and run metadata; the rest are config sweeps (see benchmarks/README.md).
+# Benchmark-command results carry rows and run metadata; the rest are other measurements (see benchmarks/README.md).
 results = {name: r for name, r in everything.items() if {"rows", "jax_version", "timing", "command"} <= r.keys()}
-print("config sweeps (not plotted here):", ", ".join(sorted(everything.keys() - results.keys())) or "none")
+print("other measurements (not plotted here):", ", ".join(sorted(everything.keys() - results.keys())) or "none")
 for name, result in results.items():
   print(f"{name}: {result.get('benchmark', '?')}\\n  {result['device']}, jax {result['jax_version']}, "
         f"{result['date'][:10]}, {len(result['rows'])} rows; {result['timing']}\\n  command: {result['command']}")"""),

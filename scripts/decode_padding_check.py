@@ -7,7 +7,7 @@ qkv_proj, CUPTI kernel times of the default Mosaic config with a_q (M, K) as it 
 64-row tile), with a_q and the scales padded to 64 rows beforehand (the quantizer's row_alignment=64) and out_rows=M,
 with the padding done by two XLA pads inside the timed call, and with only the scales or only a_q padded. Each
 variant's output must equal the plain call's bit for bit (same_as_plain). Weights rotate through > 3x the L2.
-Session 5's run: benchmarks/mosaic_decode_padding_h200.json.
+Session 5's run: benchmarks/archive/mosaic_decode_padding_h200.json.
 """
 import json
 import math

@@ -1,6 +1,6 @@
 """GPU: the per-tensor FP8 baseline two ways, CUPTI kernel times and kernel names: a float32 product scaled and cast
 (the bench's baseline until session 4) vs `baselines.per_tensor_fp8_matmul_baseline` (the product in bf16 out of
-cuBLASLt). Log of its H200 run: benchmarks/per_tensor_baseline_check_h200.log.
+cuBLASLt). Log of its H200 run: benchmarks/archive/per_tensor_baseline_check_h200.log.
 
   PYTHONPATH=. python3 scripts/per_tensor_baseline_check.py
 """

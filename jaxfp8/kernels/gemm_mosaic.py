@@ -480,9 +480,143 @@ def tma_rows_ok(rows: int) -> bool:
   return rows % TMA_ROW_TILE == 0 or rows < TMA_ROW_TILE
 
 
+<<<<<<< HEAD:jaxfp8/kernels/gemm_mosaic.py
 def shape_problems(n: int, k: int) -> list[str]:
   """What this kernel cannot do about a (N, K) weight (empty: nothing). Any M >= 1 works."""
   problems = []
+=======
+def _row_fill(m: int, tile_m: int) -> float:
+  """Fraction of the row tiles' rows that are real (the rest of the last row tile is TMA zero fill)."""
+  return m / (pl.cdiv(m, tile_m) * tile_m)
+
+
+# Speed per unit of work of each prefill schedule relative to 128x256 tiles on two consumer warpgroups, at equal SM
+# occupancy (H200, CUPTI; the sweeps in benchmarks/archive/, listed in benchmarks/README.md):
+# 192x128, 3 consumer WGs, CTA pairs sharing A: 1067 vs 1131 us at equal occupancy (M=4096 N=24576 K=7168), i.e.
+# 1.06; taken as 1.09 because its partly empty last waves cost less than whole ones (M=4096 N=7168 K=18432, which
+# the 1.06 rates level with 128x256: 824.5 vs 846.7 us).
+_SPEED_THREE_WGS = 1.09
+_SPEED_128X128_K2 = 1 / 1.03  # 128x128, 2 K blocks per step (1.5% slower per FLOP at M=4096, charged 3%)
+# The same where the 128x256 tiles would all run in one wave: 110.2 vs 124.2 us for 128x256 at M=512 N=7168 K=18432
+# (112 wide tiles; session 8; session 6 saw 111.0 vs 124.9), though both fill 85% of the slots. One 128x256 tile per
+# CTA leaves nothing to overlap, and each of its warpgroups waits for one wgmma before promoting it, where two K
+# blocks per step keep a second wgmma running through the promotion. Every choice this moved on 132 SMs over the
+# shapes.json weights was timed after (benchmarks/archive/mosaic_sweep_h200_one_wave.*): 1-12% faster at all ten.
+_SPEED_128X128_K2_ONE_WAVE = 1.1
+_SPEED_128X128 = 0.935  # 128x128, 1 K block per step (1174 vs 1256 TFLOP/s at M=4096 N=24576 K=7168)
+_SPEED_64X128 = 0.8 * _SPEED_128X128  # 64x128 split in N (a guess from session 3, never contradicted)
+_SPEED_COLUMNS = 0.77 * _SPEED_128X128  # 128x160 scaled per column, vs 128x128 tiles (M=512 N=10240 K=5120)
+
+
+def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = None
+                       ) -> list[tuple[float, MosaicGemmConfig]]:
+  """The M > 64 schedules that apply to (m, n), each with its score: measured speed times SM occupancy (full waves
+  of the persistent grid, real rows of the row tiles). `default_config` takes the best."""
+  n_blocks = n // BLOCK
+  wide_tiles = pl.cdiv(m, 128) * n_blocks  # 128x128
+  fill_128 = _row_fill(m, 128)
+  scored: list[tuple[float, MosaicGemmConfig]] = []
+  # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), two K blocks per step (each
+  # warpgroup's second wgmma overlaps the promotion of its first); three stages of 2 x 32 KiB leave room for
+  # 16-column epilogue stores only. Half the 128x256 tile, so fewer wasted slots where those leave many of their last
+  # wave empty (session 4, M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Two K blocks beat one on all three weights
+  # timed (session 7, M=256: 78.9 vs 84.3 us at N=24576 K=7168, 58.8 vs 65.5 at N=7168 K=18432, 35.3 vs 39.6 at
+  # N=10240 K=5120; M=128 likewise), reversing session 4's single M=256 reading (87.1 vs 84.8).
+  two_block_config = MosaicGemmConfig(
+      tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
+      epi_tile_n=16)
+  two_block_occupancy = _balance(wide_tiles, num_sms) * fill_128
+  wider_tiles = pl.cdiv(m, 128) * pl.cdiv(n, 256)  # 128x256
+  wider_balance = _balance(wider_tiles, num_sms) * fill_128
+  if wider_balance >= 0.8:
+    # 128x256 tiles, the two consumer warpgroups side by side in N (128x128 each), on a persistent grid: the fastest
+    # two-warpgroup schedule at M >= 1024 (M=4096 N=24576 K=7168: 1256 TFLOP/s vs 1174 for 128x128 tiles; N=7168
+    # K=18432: 1275 vs 1163), where its tiles fill at least 80% of the SMs' slots (M=256 N=24576: 192 tiles, lost).
+    scored.append((wider_balance, MosaicGemmConfig(
+        tile_m=128, tile_n=256, max_concurrent_steps=4, num_compute_wgs=2, wg_split=Dim.N, epi_tile_n=epi_tile_n)))
+    speed = _SPEED_128X128_K2_ONE_WAVE if wider_tiles <= num_sms else _SPEED_128X128_K2
+    scored.append((speed * two_block_occupancy, two_block_config))
+  else:
+    # When the 128x128 tiles leave SMs idle too: 64x128 tiles split in N (twice the tiles).
+    scored.append((_SPEED_128X128_K2 * two_block_occupancy, two_block_config))
+    scored.append((_SPEED_64X128 * _balance(pl.cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
+                   MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
+                                    wg_split=Dim.N, epi_tile_n=epi_tile_n)))
+    # 160-wide tiles (scaled per column) where 160 divides N: M=256 N=10240 K=5120 (Qwen3-32B qkv) in 128 tiles of
+    # 128x160 ran 32.7 us, vs 44.9 for 320 tiles of 64x128 (session 6). Other widths measured slower than 128.
+    if n % 160 == 0:
+      scored.append((_SPEED_COLUMNS * _balance(pl.cdiv(m, 128) * (n // 160), num_sms) * fill_128, MosaicGemmConfig(
+          tile_m=128, tile_n=160, max_concurrent_steps=2, k_blocks_per_step=2, num_compute_wgs=2, wg_split=Dim.M,
+          epi_tile_n=epi_tile_n)))
+  # Three consumer warpgroups of 64x128 on 192x128 tiles, CTA pairs that share their A tile (TMA multicast) and a
+  # 16-wide tile order: the third warpgroup's wgmmas keep the tensor cores busy while the other two wait for theirs
+  # and promote. Fastest wherever its 192-row tiles waste few rows (session 6, M=2048 and 4096: 1313-1368 TFLOP/s,
+  # 2-8% ahead of 128x256; M=1024, where 11% of the rows are padding: 1-7% behind).
+  pairs = pl.cdiv(m, 192) * pl.cdiv(n_blocks, 2)
+  pair_fill = n_blocks / (2 * pl.cdiv(n_blocks, 2))  # an odd tile count leaves one CTA of a pair idle
+  scored.append((_SPEED_THREE_WGS * _balance(pairs, max(num_sms // 2, 1)) * _row_fill(m, 192) * pair_fill,
+                 MosaicGemmConfig(tile_m=192, tile_n=128, max_concurrent_steps=4, num_compute_wgs=3,
+                                  cluster_dim=Dim.N, grid_tile_width=16, epi_tile_n=epi_tile_n)))
+  return scored
+
+
+def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, num_sms: int | None = None) -> MosaicGemmConfig:
+  """Heuristic config by problem size, from the H200 sweeps of scripts/bench_gemm_mosaic.py (2026-11-29 sessions 3-7,
+  benchmarks/archive/mosaic_sweep_h200_*.json)."""
+  num_sms = num_sms or _platform.num_sms()
+  epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
+  if m <= WGMMA_M:
+    # Decode: a single 64-row tile (mostly TMA zero fill; the tensor cores have time to spare) and one consumer
+    # warpgroup, one CTA per tile. Two K blocks per pipeline step, 4 deep: measured the fastest decode schedule at
+    # M = 1..64 for N=24576 K=7168 (M=64: 47.2 us, 1.15x the weight-streaming floor, vs 50.0 us for 8 one-block
+    # steps on a persistent grid) and level with it for N=7168 K=2048. 128-wide column tiles (they re-read the
+    # activations from L2 half as often) when there are at least half as many of them as SMs, else 64-wide tiles for
+    # twice the CTAs. Except at M <= 16, where 128-wide tiles won at every N measured (session 4, N=7168 K=18432
+    # M=16: 45.2 us vs 52.8 for 64-wide; N=7168 K=2048 M=1, session 3), though at M=64 they lost on that shape
+    # (38.9 vs 36.0 us). Those small-M runs had TMA fill the rows past M, which costs more than reading real rows
+    # (128-wide tiles load the A tile half as often); jaxfp8.linear hands over 64-row buffers instead, and
+    # block_fp8_matmul chooses by the rows it reads, so they get the M=64 choice.
+    tile_n = 128 if m <= 16 or n // 128 >= num_sms // 2 else 64
+  elif m <= 2 * WGMMA_M and _balance(pl.cdiv(m, WGMMA_M) * pl.cdiv(n, 128), num_sms) >= 0.8:
+    # M = 65..128: the decode schedule over two 64-row tiles still streams the weight faster than any two-warpgroup
+    # tile can compute it, where its CTAs (one per 64x128 tile) fill most of a wave (session 7, M=128: N=7168
+    # K=18432, 112 CTAs: 40.2 us, the best two-warpgroup schedule 51.2; N=24576 K=7168, 384 CTAs: 56.2 vs 57.6 for
+    # 128x128 tiles with two K blocks per step). N=10240 gives 160 CTAs, a second wave of 28: 25.1 us vs 20.4 for
+    # those 128x128 tiles, so it goes to the scored schedules.
+    tile_n = 128
+  else:
+    tile_n = None  # the scored prefill schedules
+  if tile_n is None:
+    config = max(prefill_candidates(m, n, num_sms, epi_tile_n), key=lambda sc: sc[0])[1]  # the first of equals
+  else:
+    config = MosaicGemmConfig(
+        tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
+        persistent=False, epi_tile_n=epi_tile_n, weight_scales_ahead=True,
+    )
+  return _fit_smem(config, out_dtype, pl.cdiv(k // BLOCK, config.k_blocks_per_step))
+
+
+def check_supported(a_q, b_q, a_s_col, b_s, out_dtype, bias, config: MosaicGemmConfig, out_rows: int | None = None
+                    ) -> None:
+  """Raises ValueError naming the argument for anything this kernel does not do."""
+  if a_q.ndim != 2 or b_q.ndim != 2:
+    raise ValueError(f"a_q and b_q must be 2-D, got shapes {a_q.shape} and {b_q.shape}")
+  m, k = a_q.shape
+  if out_rows is not None:
+    if isinstance(out_rows, bool) or not isinstance(out_rows, int) or not 0 < out_rows <= m:
+      raise ValueError(f"out_rows must be an int in [1, a_q rows = {m}], got {out_rows!r}")
+    m = out_rows
+  n, k2 = b_q.shape
+  fp8 = jnp.dtype(jnp.float8_e4m3fn)
+  if a_q.dtype != fp8 or b_q.dtype != fp8:
+    raise ValueError(f"a_q and b_q must be float8_e4m3fn, got {a_q.dtype} and {b_q.dtype}")
+  if k != k2:
+    raise ValueError(f"a_q K={k} does not match b_q K={k2}")
+  if m == 0:
+    raise ValueError("a_q has M=0 rows")
+  if k % BLOCK or k == 0:
+    raise ValueError(f"K={k} must be a positive multiple of {BLOCK}")
+>>>>>>> benchmarks-index:pallas_kernels/gemm_mosaic.py
   if n % BLOCK or n == 0:
     problems.append(f"N={n} must be a positive multiple of {BLOCK}")
   if k % BLOCK or k == 0:
