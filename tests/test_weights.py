@@ -1,5 +1,5 @@
-"""jaxfp8.weights: blockwise weight quantization (SPEC 4) against the reference, its inverse, and Hugging Face FP8
-checkpoints in safetensors files that the tests write themselves."""
+"""jaxfp8.weights and jaxfp8.checkpoints (docs/CONTRACT.md §4): blockwise weight quantization against the reference,
+its inverse, and Hugging Face FP8 checkpoints in safetensors files that the tests write themselves."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxfp8 import linear, weights
+from jaxfp8 import checkpoints, linear, weights
 from jaxfp8 import reference as ref
 
 
@@ -120,6 +120,17 @@ def test_fp8_linear_weight_is_a_pytree(rng):
 
 
 # ---- Hugging Face FP8 checkpoints ------------------------------------------------------------------------------------
+
+def test_checkpoint_functions_are_importable_from_weights():
+  import jaxfp8
+  from jaxfp8.weights import checkpoint_files, load_hf_fp8_linears, read_block_size, save_hf_fp8_linears
+  assert load_hf_fp8_linears is checkpoints.load_hf_fp8_linears is jaxfp8.load_hf_fp8_linears
+  assert save_hf_fp8_linears is checkpoints.save_hf_fp8_linears is jaxfp8.save_hf_fp8_linears
+  assert checkpoint_files is checkpoints.checkpoint_files and read_block_size is checkpoints.read_block_size
+  with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+    weights.nothing  # noqa: B018
+
+
 
 def _hf_layer(rng, n, k, block_size=(128, 128), bias_dtype=None):
   q, s = ref.quantize_weight_blockwise(random_weight(rng, n, k, block_size=block_size), block_size)
