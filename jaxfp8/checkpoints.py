@@ -13,7 +13,6 @@ arrays go to a device.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import struct
@@ -84,32 +83,74 @@ def read_block_size(directory: str | os.PathLike) -> tuple[int, int] | None:
   return None if block is None else (int(block[0]), int(block[1]))
 
 
-@functools.cache
-def _header(path: Path, mtime_ns: int) -> tuple[int, dict]:
-  """(data start, tensor table) of a safetensors file: an 8-byte little-endian header length, then JSON."""
-  del mtime_ns  # part of the cache key only
-  with open(path, "rb") as f:
-    (length,) = struct.unpack("<Q", f.read(8))
-    return 8 + length, json.loads(f.read(length))
+def _read_header(f, path: Path) -> tuple[int, dict]:
+  """(data start, tensor table) of an open safetensors file: an 8-byte little-endian header length, then JSON."""
+  size = os.fstat(f.fileno()).st_size
+  head = f.read(8)
+  (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+  if length is None or length > size - 8:
+    raise ValueError(f"{str(path)!r} is not a safetensors file: its {size} bytes cannot hold the header length "
+                     f"{length}")
+  table = json.loads(f.read(length))
+  if not isinstance(table, dict):
+    raise ValueError(f"{str(path)!r} is not a safetensors file: its header is not a JSON object")
+  return 8 + length, table
 
 
-def _read_tensor(handle, path: Path, name: str) -> np.ndarray:
-  """One tensor as a NumPy array (fp8 and bf16 as ml_dtypes arrays)."""
-  dtype_name = handle.get_slice(name).get_dtype()
-  try:
-    array = handle.get_tensor(name)
-  except (AttributeError, TypeError, KeyError):
-    # safetensors' NumPy reader has no float8 type (it asks numpy for one): map the bytes ourselves.
-    if dtype_name not in _RAW_DTYPES:
-      raise
-    start, table = _header(path, path.stat().st_mtime_ns)
-    info = table[name]
+class _OpenFile:
+  """A safetensors file open for reading: safetensors' handle and, for the tensors its NumPy reader refuses, the
+  header and a memory map read from one open file of our own.
+
+  The header is read on every open, never cached across opens: a file replaced in place with its mtime kept (`cp -p`,
+  `rsync -t`, tar) would otherwise be read with the old file's offsets. Offsets and the map come from the same open
+  file, so they always describe the same bytes.
+  """
+
+  def __init__(self, safetensors, path: Path):
+    self.path = path
+    self.handle = safetensors.safe_open(str(path), framework="numpy").__enter__()
+    self._file = None
+    self._header: tuple[int, dict] | None = None
+
+  def close(self) -> None:
+    self.handle.__exit__(None, None, None)
+    if self._file is not None:
+      self._file.close()
+
+  def read(self, name: str) -> np.ndarray:
+    """One tensor as a NumPy array (fp8 and bf16 as ml_dtypes arrays)."""
+    dtype_name = self.handle.get_slice(name).get_dtype()
+    try:
+      array = self.handle.get_tensor(name)
+    except (AttributeError, TypeError, KeyError):
+      # safetensors' NumPy reader has no float8 type (it asks numpy for one): map the bytes ourselves.
+      if dtype_name not in _RAW_DTYPES:
+        raise
+      return self._map(name, dtype_name)
+    if dtype_name in _RAW_DTYPES and array.dtype != _RAW_DTYPES[dtype_name]:
+      array = array.view(_RAW_DTYPES[dtype_name])  # a reader that hands out raw bytes (uint8) for fp8
+    return array
+
+  def _map(self, name: str, dtype_name: str) -> np.ndarray:
+    if self._header is None:
+      self._file = open(self.path, "rb")
+      self._header = _read_header(self._file, self.path)
+    start, table = self._header
+    info = table.get(name)
+    shape = list(self.handle.get_slice(name).get_shape())
+    dtype = _RAW_DTYPES[dtype_name]
+    if not isinstance(info, dict) or info.get("dtype") != dtype_name or list(info.get("shape", ())) != shape:
+      raise ValueError(f"{str(self.path)!r} changed while it was read: its header now describes {name!r} as "
+                       f"{info!r}, not {dtype_name} {shape}")
     begin, end = info["data_offsets"]
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
-    return raw.view(_RAW_DTYPES[dtype_name]).reshape(info["shape"])
-  if dtype_name in _RAW_DTYPES and array.dtype != _RAW_DTYPES[dtype_name]:
-    array = array.view(_RAW_DTYPES[dtype_name])  # a reader that hands out raw bytes (uint8) for fp8
-  return array
+    size = os.fstat(self._file.fileno()).st_size
+    if end - begin != int(np.prod(shape)) * dtype.itemsize or begin < 0 or start + end > size:
+      raise ValueError(f"{str(self.path)!r}: the offsets [{begin}, {end}) of {name!r} do not fit its shape {shape} "
+                       f"and {dtype_name} or the file's {size} bytes")
+    if begin == end:
+      return np.empty(shape, dtype)
+    raw = np.memmap(self._file, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
+    return raw.view(dtype).reshape(shape)
 
 
 def _selected(prefix: str, select) -> bool:
@@ -178,13 +219,13 @@ def load_hf_fp8_linears(
 
   prefixes = sorted(name[:-len(WEIGHT_SUFFIX)] for name in location
                     if name.endswith(WEIGHT_SUFFIX) and dtypes[name] == "F8_E4M3")
-  handles: dict[Path, Any] = {}
+  opened: dict[Path, _OpenFile] = {}
 
   def read(name: str) -> np.ndarray:
     f = location[name]
-    if f not in handles:
-      handles[f] = safetensors.safe_open(str(f), framework="numpy").__enter__()
-    return _read_tensor(handles[f], f, name)
+    if f not in opened:
+      opened[f] = _OpenFile(safetensors, f)
+    return opened[f].read(name)
 
   out: dict[str, Fp8LinearWeight] = {}
   try:
@@ -218,8 +259,8 @@ def load_hf_fp8_linears(
                   for field, a in arrays.items()}
       out[prefix] = Fp8LinearWeight(arrays["w_q"], arrays["w_s"], arrays["bias"], block_size)
   finally:
-    for handle in handles.values():
-      handle.__exit__(None, None, None)
+    for f in opened.values():
+      f.close()
   return out
 
 

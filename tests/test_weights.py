@@ -4,6 +4,7 @@ its inverse, and Hugging Face FP8 checkpoints in safetensors files that the test
 from __future__ import annotations
 
 import json
+import os
 import math
 
 import jax
@@ -246,3 +247,22 @@ def test_save_and_load_round_trip(safetensors_numpy, rng, tmp_path):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
   with pytest.raises(ValueError, match="collides"):
     weights.save_hf_fp8_linears(path, saved, extra={"layer.a.weight": np.ones(2)})
+
+
+def test_file_replaced_with_its_mtime_kept_is_read_afresh(safetensors_numpy, rng, tmp_path):
+  # `cp -p`, `rsync -t` and tar keep a file's mtime: a replaced file must not be read with the old file's offsets.
+  path = tmp_path / "model.safetensors"
+  old_q, old_s, _ = _hf_layer(rng, 128, 256)
+  safetensors_numpy.save_file({"a.weight": old_q, "a.weight_scale_inv": old_s}, str(path), metadata={"format": "pt"})
+  first = checkpoints.load_hf_fp8_linears(path, as_numpy=True)
+  np.testing.assert_array_equal(first["a"].w_q.view(np.uint8), old_q.view(np.uint8))
+  stat = path.stat()
+  new_q, new_s, _ = _hf_layer(rng, 128, 256)
+  # A longer header and one more fp8 tensor ahead of a.weight: every offset moves.
+  safetensors_numpy.save_file({"a.weight": new_q, "a.weight_scale_inv": new_s, "0.codes": new_q[:1]}, str(path),
+                              metadata={"format": "pt", "note": "x" * 100})
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert path.stat().st_mtime_ns == stat.st_mtime_ns
+  again = checkpoints.load_hf_fp8_linears(path, as_numpy=True)
+  np.testing.assert_array_equal(again["a"].w_q.view(np.uint8), new_q.view(np.uint8))
+  np.testing.assert_array_equal(again["a"].w_s, new_s)
