@@ -167,6 +167,73 @@ def _placement(sharding, prefix: str, field: str, shape: tuple[int, ...]):
   return sharding
 
 
+# safetensors dtype names -> NumPy's, for error messages.
+_DTYPE_NAMES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "BF16": "bfloat16", "F16": "float16",
+                "F32": "float32", "F64": "float64", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32",
+                "I64": "int64", "BOOL": "bool"}
+
+
+def _index(safetensors, files: Sequence[Path]) -> tuple[dict[str, Path], dict[str, str]]:
+  """Every tensor name -> its file and its safetensors dtype name (a weight and its scales may sit in different
+  files of a sharded checkpoint)."""
+  location: dict[str, Path] = {}
+  dtypes: dict[str, str] = {}
+  for f in files:
+    with safetensors.safe_open(str(f), framework="numpy") as handle:
+      for name in handle.keys():
+        location[name] = f
+        dtypes[name] = handle.get_slice(name).get_dtype()
+  return location, dtypes
+
+
+def _layer_prefixes(dtypes: Mapping[str, str]) -> list[str]:
+  """The prefixes of the block-FP8 linear layers: every `<prefix>.weight` stored as e4m3 and every
+  `<prefix>.weight_scale_inv`, which promises one."""
+  prefixes = {name[:-len(WEIGHT_SUFFIX)] for name, dtype in dtypes.items()
+              if name.endswith(WEIGHT_SUFFIX) and dtype == "F8_E4M3"}
+  prefixes.update(name[:-len(SCALE_SUFFIX)] for name in dtypes if name.endswith(SCALE_SUFFIX))
+  return sorted(prefixes)
+
+
+def _check_layer_tensors(prefix: str, dtypes: Mapping[str, str]) -> None:
+  """A layer has an e4m3 `weight` and its `weight_scale_inv` (docs/CONTRACT.md §4): one without the other, or a weight
+  of another type beside block scales, is refused, never skipped."""
+  weight, scale = prefix + WEIGHT_SUFFIX, prefix + SCALE_SUFFIX
+  if weight not in dtypes:
+    raise ValueError(f"{scale!r} has no weight {weight!r} in the files read (a file of a sharded checkpoint read "
+                     "alone?): block scales must come with their float8_e4m3fn weight")
+  if dtypes[weight] != "F8_E4M3":
+    dtype = dtypes[weight]
+    raise ValueError(f"{weight!r} has dtype {dtype} ({_DTYPE_NAMES.get(dtype, 'unknown')}), but {scale!r} beside "
+                     "it promises a block-FP8 float8_e4m3fn weight: only e4m3 weights with block scales are "
+                     "supported")
+  if scale not in dtypes:
+    others = sorted(n for n in dtypes if n.startswith(prefix + ".") and n != weight)
+    raise ValueError(f"{weight!r} is float8_e4m3fn but has no {scale!r} (block scales); found "
+                     f"{others or 'nothing else'} for this layer. Only the blockwise Hugging Face FP8 convention "
+                     "(weight + weight_scale_inv) is supported")
+
+
+def _read_layer(prefix: str, read: Callable[[str], np.ndarray], names: Mapping[str, Any],
+                block_size: tuple[int, int]) -> dict[str, np.ndarray | None]:
+  """The arrays of one layer, checked: w_q (N, K), w_s of the block size's shape (as float32), bias (N,) or None."""
+  weight, scale, bias_name = prefix + WEIGHT_SUFFIX, prefix + SCALE_SUFFIX, prefix + BIAS_SUFFIX
+  w_q = read(weight)
+  if w_q.ndim != 2:
+    raise ValueError(f"{weight!r} must be 2-D (N, K), got shape {w_q.shape}")
+  w_s = read(scale)
+  if not np.issubdtype(w_s.dtype, np.floating) and w_s.dtype != _RAW_DTYPES["BF16"]:
+    raise TypeError(f"{scale!r} must be floating point, got {w_s.dtype}")
+  try:
+    _check_scale_shape(w_q.shape, w_s.shape, block_size, repr(scale))
+  except ValueError as e:
+    raise ValueError(f"{e}; pass the checkpoint's block_size") from None
+  bias = read(bias_name) if bias_name in names else None
+  if bias is not None and tuple(bias.shape) != (w_q.shape[0],):
+    raise ValueError(f"{bias_name!r} must have shape ({w_q.shape[0]},), got {tuple(bias.shape)}")
+  return {"w_q": w_q, "w_s": w_s.astype(np.float32, copy=False), "bias": bias}
+
+
 def load_hf_fp8_linears(
     path: str | os.PathLike | Sequence[str | os.PathLike],
     *,
@@ -179,8 +246,8 @@ def load_hf_fp8_linears(
 
   A linear layer `<prefix>` is a `<prefix>.weight` stored as float8_e4m3fn (F8_E4M3) with its
   `<prefix>.weight_scale_inv` float32 block scales (the DeepSeek-V3 / Qwen3-FP8 convention); a `<prefix>.bias`, if
-  present, comes along. Tensors of other types (norms, embeddings, bf16 layers) are left out. A weight and its scales
-  may sit in different files of a sharded checkpoint.
+  present, comes along. Tensors of other types without block scales (norms, embeddings, bf16 layers) are left out.
+  A weight and its scales may sit in different files of a sharded checkpoint.
 
   Args:
     path: a .safetensors file, a list of them, or the checkpoint directory.
@@ -195,30 +262,21 @@ def load_hf_fp8_linears(
     {prefix: Fp8LinearWeight}, sorted by prefix.
 
   Raises:
-    ValueError: an fp8 weight without `weight_scale_inv` (e.g. a per-tensor FP8 checkpoint), or scales whose shape
-      does not fit the block size.
+    ValueError (for the selected layers): an e4m3 weight without `weight_scale_inv` (e.g. a per-tensor FP8
+      checkpoint), a `weight_scale_inv` without its weight or beside a weight of another dtype (e5m2, uint8, bf16,
+      ...), or scales whose shape does not fit the block size.
   """
   if select is not None and not callable(select) and (isinstance(select, (str, bytes)) or not isinstance(
       select, Iterable)):
     raise TypeError(f"select must be None, a predicate or a collection of prefixes, got {select!r}")
+  as_numpy = _checks.flag("as_numpy", as_numpy)
   safetensors, _ = _safetensors()
   files = checkpoint_files(path)
   if block_size is None:
     directory = Path(path) if isinstance(path, (str, os.PathLike)) and Path(path).is_dir() else files[0].parent
     block_size = read_block_size(directory) or DEFAULT_BLOCK_SIZE
   block_size = _checks.block_size(block_size)
-
-  # Every tensor name -> its file, so that a weight and its scales may be in different files.
-  location: dict[str, Path] = {}
-  dtypes: dict[str, str] = {}
-  for f in files:
-    with safetensors.safe_open(str(f), framework="numpy") as handle:
-      for name in handle.keys():
-        location[name] = f
-        dtypes[name] = handle.get_slice(name).get_dtype()
-
-  prefixes = sorted(name[:-len(WEIGHT_SUFFIX)] for name in location
-                    if name.endswith(WEIGHT_SUFFIX) and dtypes[name] == "F8_E4M3")
+  location, dtypes = _index(safetensors, files)
   opened: dict[Path, _OpenFile] = {}
 
   def read(name: str) -> np.ndarray:
@@ -229,31 +287,11 @@ def load_hf_fp8_linears(
 
   out: dict[str, Fp8LinearWeight] = {}
   try:
-    for prefix in prefixes:
+    for prefix in _layer_prefixes(dtypes):
       if not _selected(prefix, select):
         continue
-      scale_name = prefix + SCALE_SUFFIX
-      if scale_name not in location:
-        others = [n for n in location if n.startswith(prefix + ".") and n != prefix + WEIGHT_SUFFIX]
-        raise ValueError(
-            f"{prefix + WEIGHT_SUFFIX!r} is float8_e4m3fn but has no {scale_name!r} (block scales); found "
-            f"{others or 'nothing else'} for this layer. Only the blockwise Hugging Face FP8 convention "
-            "(weight + weight_scale_inv) is supported")
-      w_q = read(prefix + WEIGHT_SUFFIX)
-      if w_q.ndim != 2:
-        raise ValueError(f"{prefix + WEIGHT_SUFFIX!r} must be 2-D (N, K), got shape {w_q.shape}")
-      w_s = read(scale_name)
-      if not np.issubdtype(w_s.dtype, np.floating) and w_s.dtype != _RAW_DTYPES["BF16"]:
-        raise TypeError(f"{scale_name!r} must be floating point, got {w_s.dtype}")
-      try:
-        _check_scale_shape(w_q.shape, w_s.shape, block_size, repr(scale_name))
-      except ValueError as e:
-        raise ValueError(f"{e}; pass the checkpoint's block_size") from None
-      w_s = w_s.astype(np.float32, copy=False)
-      bias = read(prefix + BIAS_SUFFIX) if prefix + BIAS_SUFFIX in location else None
-      if bias is not None and tuple(bias.shape) != (w_q.shape[0],):
-        raise ValueError(f"{prefix + BIAS_SUFFIX!r} must have shape ({w_q.shape[0]},), got {tuple(bias.shape)}")
-      arrays = {"w_q": w_q, "w_s": w_s, "bias": bias}
+      _check_layer_tensors(prefix, dtypes)
+      arrays = _read_layer(prefix, read, location, block_size)
       if not as_numpy:
         arrays = {field: None if a is None else jax.device_put(a, _placement(sharding, prefix, field, a.shape))
                   for field, a in arrays.items()}

@@ -244,6 +244,12 @@ def test_load_checkpoint_select_type(tmp_path):
       weights.load_hf_fp8_linears(tmp_path, select=select, block_size=(128, 128))
 
 
+def test_load_checkpoint_as_numpy_must_be_a_bool(tmp_path):
+  pytest.importorskip("safetensors")
+  with pytest.raises(TypeError, match="as_numpy must be a bool, got 'no'"):
+    weights.load_hf_fp8_linears(tmp_path, as_numpy="no")
+
+
 # ---- nn.Fp8Linear --------------------------------------------------------------------------------------------------
 
 nn = pytest.importorskip("jaxfp8.nn")

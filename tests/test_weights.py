@@ -266,3 +266,25 @@ def test_file_replaced_with_its_mtime_kept_is_read_afresh(safetensors_numpy, rng
   again = checkpoints.load_hf_fp8_linears(path, as_numpy=True)
   np.testing.assert_array_equal(again["a"].w_q.view(np.uint8), new_q.view(np.uint8))
   np.testing.assert_array_equal(again["a"].w_s, new_s)
+
+
+@pytest.mark.parametrize("dtype, name", [(ml_dtypes.float8_e5m2, "F8_E5M2"), (np.uint8, "U8"),
+                                         (ml_dtypes.bfloat16, "BF16")])
+def test_a_weight_with_block_scales_must_be_e4m3(safetensors_numpy, rng, tmp_path, dtype, name):
+  # A weight_scale_inv promises a block-FP8 e4m3 weight (docs/CONTRACT.md §4): any other type is refused, not skipped.
+  q, s, _ = _hf_layer(rng, 128, 256)
+  path = tmp_path / "model.safetensors"
+  safetensors_numpy.save_file({"ok.weight": q, "ok.weight_scale_inv": s,
+                               "bad.weight": q.astype(np.float32).astype(dtype), "bad.weight_scale_inv": s}, str(path))
+  with pytest.raises(ValueError, match=rf"'bad.weight' has dtype {name} .*'bad.weight_scale_inv'.*float8_e4m3fn"):
+    checkpoints.load_hf_fp8_linears(path)
+  # A layer left out by select is not read, so it cannot be refused.
+  assert list(checkpoints.load_hf_fp8_linears(path, select=["ok"])) == ["ok"]
+
+
+def test_block_scales_without_their_weight_are_refused(safetensors_numpy, rng, tmp_path):
+  q, s, _ = _hf_layer(rng, 128, 256)
+  path = tmp_path / "model.safetensors"
+  safetensors_numpy.save_file({"a.weight": q, "a.weight_scale_inv": s, "b.weight_scale_inv": s}, str(path))
+  with pytest.raises(ValueError, match=r"'b.weight_scale_inv' has no weight 'b.weight'"):
+    checkpoints.load_hf_fp8_linears(path)
