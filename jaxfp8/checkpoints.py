@@ -53,7 +53,9 @@ def checkpoint_files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> l
     if path.is_dir():
       index = path / "model.safetensors.index.json"
       if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _read_json_object(index).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+          raise ValueError(f"{str(index)!r}: weight_map must be a JSON object, got {weight_map!r:.80}")
         files = [path / name for name in sorted(set(weight_map.values()))]
       else:
         files = sorted(path.glob("*.safetensors"))
@@ -74,13 +76,46 @@ def checkpoint_files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> l
   return files
 
 
+def _read_json_object(path: Path) -> dict:
+  """The JSON object in the file at `path`; a ValueError naming the file if it holds anything else."""
+  try:
+    value = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{str(path)!r} must hold a JSON object, got {type(value).__name__} {value!r:.80}")
+  return value
+
+
+def _quantization_config(config: Path, value: dict) -> dict | None:
+  quant = value.get("quantization_config")
+  if quant is not None and not isinstance(quant, dict):
+    raise ValueError(f"{str(config)!r}: quantization_config must be a JSON object, got {quant!r}")
+  return quant
+
+
+def _config_block_size(config: Path, block) -> tuple[int, int]:
+  """`weight_block_size` as found in `config`: a JSON list of two positive integers."""
+  try:
+    if not isinstance(block, list):
+      raise TypeError("not a JSON list")
+    return _checks.block_size(block)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{str(config)!r}: quantization_config.weight_block_size must be [gn, gk], two positive "
+                     f"integers, got {block!r} ({e})") from None
+
+
 def read_block_size(directory: str | os.PathLike) -> tuple[int, int] | None:
-  """`quantization_config.weight_block_size` of the checkpoint's config.json, if it has one."""
+  """`quantization_config.weight_block_size` of the checkpoint's config.json, if it has one.
+
+  Raises ValueError naming the file if config.json is not a JSON object or the block size is not two positive ints.
+  """
   config = Path(directory) / "config.json"
   if not config.is_file():
     return None
-  block = json.loads(config.read_text()).get("quantization_config", {}).get("weight_block_size")
-  return None if block is None else (int(block[0]), int(block[1]))
+  quant = _quantization_config(config, _read_json_object(config))
+  block = None if quant is None else quant.get("weight_block_size")
+  return None if block is None else _config_block_size(config, block)
 
 
 def _read_header(f, path: Path) -> tuple[int, dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -288,3 +289,27 @@ def test_block_scales_without_their_weight_are_refused(safetensors_numpy, rng, t
   safetensors_numpy.save_file({"a.weight": q, "a.weight_scale_inv": s, "b.weight_scale_inv": s}, str(path))
   with pytest.raises(ValueError, match=r"'b.weight_scale_inv' has no weight 'b.weight'"):
     checkpoints.load_hf_fp8_linears(path)
+
+
+@pytest.mark.parametrize("block", [[128], "128", [0, 128], [128.5, 128], [True, 128], [128, 128, 128], {"gn": 128}])
+def test_malformed_block_size_in_config_names_the_file(safetensors_numpy, rng, tmp_path, block):
+  q, s, _ = _hf_layer(rng, 128, 256)
+  safetensors_numpy.save_file({"a.weight": q, "a.weight_scale_inv": s}, str(tmp_path / "model.safetensors"))
+  config = tmp_path / "config.json"
+  config.write_text(json.dumps({"quantization_config": {"quant_method": "fp8", "weight_block_size": block}}))
+  message = rf"{config}.*weight_block_size.*{re.escape(repr(block))}"
+  with pytest.raises(ValueError, match=message):
+    checkpoints.read_block_size(tmp_path)
+  with pytest.raises(ValueError, match=message):
+    checkpoints.load_hf_fp8_linears(tmp_path)
+  # An explicit block_size does not need the config's.
+  assert list(checkpoints.load_hf_fp8_linears(tmp_path, block_size=(128, 128))) == ["a"]
+
+
+@pytest.mark.parametrize("text, message", [("{not json", "is not valid JSON"), ("[1, 2]", "must hold a JSON object"),
+                                           ('{"quantization_config": 3}', "quantization_config must be a JSON object")])
+def test_malformed_config_names_the_file(tmp_path, text, message):
+  config = tmp_path / "config.json"
+  config.write_text(text)
+  with pytest.raises(ValueError, match=rf"{config}.*{message}"):
+    checkpoints.read_block_size(tmp_path)
