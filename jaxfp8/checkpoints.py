@@ -337,6 +337,28 @@ def load_hf_fp8_linears(
   return out
 
 
+def _tensors_to_save(prefix, weight) -> dict[str, np.ndarray]:
+  """The tensors of one layer, checked as the loader checks them (so that what is saved loads back)."""
+  if not isinstance(prefix, str) or not prefix:
+    raise TypeError(f"weights must map non-empty str prefixes to Fp8LinearWeight, got the key {prefix!r}")
+  name = f"weights[{prefix!r}]"
+  if not isinstance(weight, Fp8LinearWeight):
+    raise TypeError(f"{name} must be an Fp8LinearWeight, got {type(weight).__name__}")
+  _checks.array(f"{name}.w_q", weight.w_q, (FP8,))
+  _checks.array(f"{name}.w_s", weight.w_s, (np.dtype(np.float32),))
+  _check_scale_shape(tuple(weight.w_q.shape), tuple(weight.w_s.shape), _checks.block_size(weight.block_size),
+                     f"{name}.w_s")
+  tensors = {prefix + WEIGHT_SUFFIX: np.asarray(weight.w_q), prefix + SCALE_SUFFIX: np.asarray(weight.w_s)}
+  if weight.bias is not None:
+    _checks.array(f"{name}.bias", weight.bias, _checks.FLOAT_DTYPES, ndim=None)
+    n, k = weight.w_q.shape
+    if tuple(weight.bias.shape) != (n,):
+      raise ValueError(f"{name}.bias must have shape (N,) = ({n},) for its ({n}, {k}) weight, got "
+                       f"{tuple(weight.bias.shape)}")
+    tensors[prefix + BIAS_SUFFIX] = np.asarray(weight.bias)
+  return tensors
+
+
 def save_hf_fp8_linears(
     path: str | os.PathLike,
     weights: Mapping[str, Fp8LinearWeight],
@@ -345,25 +367,22 @@ def save_hf_fp8_linears(
     metadata: Mapping[str, str] | None = None,
 ) -> None:
   """Writes linear weights in the Hugging Face FP8 convention (`<prefix>.weight` F8_E4M3, `<prefix>.weight_scale_inv`
-  F32, `<prefix>.bias`) to one safetensors file, with any `extra` tensors as they are."""
+  F32, `<prefix>.bias`) to one safetensors file, with any `extra` tensors as they are.
+
+  Every weight is checked first, as the loader would check it (w_q (N, K) e4m3fn, w_s float32 of the block size's
+  shape, bias (N,) bfloat16, float16 or float32): on an error nothing is written.
+  """
   _, safetensors_numpy = _safetensors()
+  if not isinstance(weights, Mapping):
+    raise TypeError(f"weights must be a mapping {{prefix: Fp8LinearWeight}}, got {type(weights).__name__}")
   tensors: dict[str, np.ndarray] = {}
   for prefix, weight in weights.items():
-    w_q = np.asarray(weight.w_q)
-    w_s = np.asarray(weight.w_s)
-    if w_q.dtype != FP8:
-      raise TypeError(f"{prefix}: w_q must be float8_e4m3fn, got {w_q.dtype}")
-    _check_scale_shape(w_q.shape, w_s.shape, weight.block_size, f"{prefix}: w_s")
-    tensors[prefix + WEIGHT_SUFFIX] = w_q
-    tensors[prefix + SCALE_SUFFIX] = w_s.astype(np.float32)
-    if weight.bias is not None:
-      tensors[prefix + BIAS_SUFFIX] = np.asarray(weight.bias)
+    tensors.update(_tensors_to_save(prefix, weight))
   for name, value in (extra or {}).items():
     if name in tensors:
       raise ValueError(f"extra tensor {name!r} collides with a linear weight's tensor")
     tensors[name] = np.asarray(value)
   safetensors_numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path),
                               metadata=dict(metadata or {"format": "pt"}))
-
 
 __all__ = ["checkpoint_files", "read_block_size", "load_hf_fp8_linears", "save_hf_fp8_linears"]

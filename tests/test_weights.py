@@ -3,6 +3,7 @@ its inverse, and Hugging Face FP8 checkpoints in safetensors files that the test
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import math
@@ -313,3 +314,28 @@ def test_malformed_config_names_the_file(tmp_path, text, message):
   config.write_text(text)
   with pytest.raises(ValueError, match=rf"{config}.*{message}"):
     checkpoints.read_block_size(tmp_path)
+
+
+def test_save_refuses_a_bias_or_scales_the_loader_would_refuse(safetensors_numpy, rng, tmp_path):
+  path = tmp_path / "model.safetensors"
+  good = weights.fp8_linear_weight(random_weight(rng, 200, 256), np.ones(200, np.float32))
+  cases = [
+      (dataclasses.replace(good, bias=np.ones(256, np.float32)), ValueError,
+       r"weights\['layer.a'\].bias must have shape \(N,\) = \(200,\) for its \(200, 256\) weight, got \(256,\)"),
+      (dataclasses.replace(good, bias=np.ones((1, 200), np.float32)), ValueError, r"got \(1, 200\)"),
+      (dataclasses.replace(good, w_s=np.asarray(good.w_s, np.float64)), TypeError,
+       r"weights\['layer.a'\].w_s must have dtype float32, got float64"),
+      (dataclasses.replace(good, w_s=jnp.asarray(good.w_s, jnp.bfloat16)), TypeError,
+       r"weights\['layer.a'\].w_s must have dtype float32, got bfloat16"),
+      (dataclasses.replace(good, bias=np.ones(200, np.int32)), TypeError,
+       r"weights\['layer.a'\].bias must have dtype bfloat16 or float16 or float32, got int32"),
+      (dataclasses.replace(good, w_q=np.asarray(good.w_q)[None]), ValueError, r"weights\['layer.a'\].w_q must be 2-D"),
+  ]
+  for weight, error, message in cases:
+    with pytest.raises(error, match=message):
+      checkpoints.save_hf_fp8_linears(path, {"layer.b": good, "layer.a": weight})
+    assert not path.exists()  # nothing is written
+  with pytest.raises(TypeError, match=r"weights\['layer.a'\] must be an Fp8LinearWeight, got tuple"):
+    checkpoints.save_hf_fp8_linears(path, {"layer.a": (good.w_q, good.w_s)})
+  checkpoints.save_hf_fp8_linears(path, {"layer.a": good})
+  assert list(checkpoints.load_hf_fp8_linears(path)) == ["layer.a"]
