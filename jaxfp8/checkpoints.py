@@ -30,6 +30,10 @@ from jaxfp8.weights import DEFAULT_BLOCK_SIZE, FP8, Fp8LinearWeight, _check_scal
 WEIGHT_SUFFIX = ".weight"
 SCALE_SUFFIX = ".weight_scale_inv"
 BIAS_SUFFIX = ".bias"
+DEFAULT_FILE_NAME = "model.safetensors"
+# config.json's quantization_config of a block-FP8 checkpoint, less weight_block_size: what transformers'
+# FineGrainedFP8Config and DeepSeek-V3's config say (weights e4m3 with block scales, activations quantized per call).
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
 # safetensors dtype names of the types its NumPy reader may refuse, and what they are.
 _RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
                "BF16": np.dtype(ml_dtypes.bfloat16)}
@@ -359,22 +363,78 @@ def _tensors_to_save(prefix, weight) -> dict[str, np.ndarray]:
   return tensors
 
 
+def _common_block_size(weights: Mapping[str, Fp8LinearWeight]) -> tuple[int, int] | None:
+  """The block size every weight has (a checkpoint has one: config.json's weight_block_size); None if no weights."""
+  first = None
+  for prefix, weight in weights.items():
+    block_size = _checks.block_size(weight.block_size)
+    if first is None:
+      first = (prefix, block_size)
+    elif block_size != first[1]:
+      raise ValueError(f"a checkpoint has one block size (config.json's weight_block_size), but weights[{first[0]!r}] "
+                       f"has {first[1]} and weights[{prefix!r}] has {block_size}: save them to separate checkpoints")
+  return None if first is None else first[1]
+
+
+def _merged_config(config: Path, block_size: tuple[int, int]) -> dict | None:
+  """The content of `config` (config.json) with the quantization_config of these weights merged in, every other key
+  kept; None when it says so already. A value it holds that differs from ours is refused: it describes the other
+  files of the directory, which would then be read wrongly."""
+  ours = {**QUANTIZATION_CONFIG, "weight_block_size": list(block_size)}
+  value = _read_json_object(config) if config.is_file() else {}
+  quant = _quantization_config(config, value) or {}
+  for key, want in ours.items():
+    have = quant.get(key)
+    if key == "weight_block_size" and have is not None:
+      have = list(_config_block_size(config, have))
+    if have is not None and have != want:
+      raise ValueError(f"{str(config)!r} says quantization_config.{key} = {json.dumps(quant[key])}, but these "
+                       f"weights need {json.dumps(want)}: the directory's other files would be read with the wrong "
+                       "value. Save into another directory, or pass config=False")
+  if all(key in quant for key in ours):
+    return None
+  return {**value, "quantization_config": {**ours, **quant}}
+
+
+def _write_json(path: Path, value: dict) -> None:
+  # Written beside the target and renamed over it, so that a reader never sees half a config.json.
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  tmp.write_text(json.dumps(value, indent=2) + "\n")
+  os.replace(tmp, path)
+
+
 def save_hf_fp8_linears(
     path: str | os.PathLike,
     weights: Mapping[str, Fp8LinearWeight],
     *,
     extra: Mapping[str, Any] | None = None,
     metadata: Mapping[str, str] | None = None,
+    config: bool = True,
 ) -> None:
   """Writes linear weights in the Hugging Face FP8 convention (`<prefix>.weight` F8_E4M3, `<prefix>.weight_scale_inv`
-  F32, `<prefix>.bias`) to one safetensors file, with any `extra` tensors as they are.
+  F32, `<prefix>.bias`) to one safetensors file, with any `extra` tensors as they are, and the config.json beside it
+  that says how they are quantized (docs/CONTRACT.md §4).
+
+  Args:
+    path: the .safetensors file, or a directory to write `model.safetensors` into.
+    weights: {prefix: Fp8LinearWeight}, all of one block size (a checkpoint has one).
+    extra: other tensors to store as they are (norms, embeddings, ...).
+    metadata: the safetensors header metadata (default {"format": "pt"}, what transformers expects).
+    config: write the `quantization_config` ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+      "weight_block_size": [gn, gk]}) into the config.json of the file's directory, creating it or merging into it
+      (every other key of an existing config.json is kept). A config.json that already says another value for one
+      of these keys is refused. Nothing is written to config.json when `weights` is empty.
 
   Every weight is checked first, as the loader would check it (w_q (N, K) e4m3fn, w_s float32 of the block size's
-  shape, bias (N,) bfloat16, float16 or float32): on an error nothing is written.
+  shape, bias (N,) bfloat16, float16 or float32), and config.json too: on an error nothing is written.
   """
   _, safetensors_numpy = _safetensors()
   if not isinstance(weights, Mapping):
     raise TypeError(f"weights must be a mapping {{prefix: Fp8LinearWeight}}, got {type(weights).__name__}")
+  config = _checks.flag("config", config)
+  file = Path(path)
+  if file.is_dir():
+    file = file / DEFAULT_FILE_NAME
   tensors: dict[str, np.ndarray] = {}
   for prefix, weight in weights.items():
     tensors.update(_tensors_to_save(prefix, weight))
@@ -382,7 +442,12 @@ def save_hf_fp8_linears(
     if name in tensors:
       raise ValueError(f"extra tensor {name!r} collides with a linear weight's tensor")
     tensors[name] = np.asarray(value)
-  safetensors_numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path),
+  block_size = _common_block_size(weights)
+  config_path = file.parent / "config.json"
+  merged = _merged_config(config_path, block_size) if config and block_size is not None else None
+  safetensors_numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(file),
                               metadata=dict(metadata or {"format": "pt"}))
+  if merged is not None:
+    _write_json(config_path, merged)
 
 __all__ = ["checkpoint_files", "read_block_size", "load_hf_fp8_linears", "save_hf_fp8_linears"]

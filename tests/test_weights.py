@@ -339,3 +339,52 @@ def test_save_refuses_a_bias_or_scales_the_loader_would_refuse(safetensors_numpy
     checkpoints.save_hf_fp8_linears(path, {"layer.a": (good.w_q, good.w_s)})
   checkpoints.save_hf_fp8_linears(path, {"layer.a": good})
   assert list(checkpoints.load_hf_fp8_linears(path)) == ["layer.a"]
+
+
+def _quantization_config(block_size):
+  return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block_size)}
+
+
+@pytest.mark.parametrize("into_directory", [False, True])
+def test_save_writes_the_config_the_loader_reads_back(safetensors_numpy, rng, tmp_path, into_directory):
+  block_size = (128, 64)
+  saved = {"a": weights.fp8_linear_weight(random_weight(rng, 200, 192), None, block_size),
+           "b": weights.fp8_linear_weight(random_weight(rng, 64, 128), np.ones(64, np.float32), block_size)}
+  checkpoints.save_hf_fp8_linears(tmp_path if into_directory else tmp_path / "model.safetensors", saved)
+  assert (tmp_path / "model.safetensors").is_file()
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config == {"quantization_config": _quantization_config(block_size)}
+  assert checkpoints.read_block_size(tmp_path) == block_size
+  # No block_size given: the loader takes it from config.json (the default (128, 128) would not fit the scales).
+  for source in (tmp_path, tmp_path / "model.safetensors"):
+    loaded = checkpoints.load_hf_fp8_linears(source, as_numpy=True)
+    assert list(loaded) == ["a", "b"] and all(w.block_size == block_size for w in loaded.values())
+    np.testing.assert_array_equal(loaded["a"].w_s, np.asarray(saved["a"].w_s))
+
+
+def test_save_merges_an_existing_config(safetensors_numpy, rng, tmp_path):
+  existing = {"model_type": "deepseek_v3", "hidden_size": 7168,
+              "quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ["lm_head"]}}
+  (tmp_path / "config.json").write_text(json.dumps(existing))
+  saved = {"a": weights.fp8_linear_weight(random_weight(rng, 128, 128))}
+  checkpoints.save_hf_fp8_linears(tmp_path / "model.safetensors", saved)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config == {"model_type": "deepseek_v3", "hidden_size": 7168,
+                    "quantization_config": {**_quantization_config((128, 128)), "modules_to_not_convert": ["lm_head"]}}
+  # A config that says another block size describes other files of this directory: refused, nothing written.
+  other = {"a": weights.fp8_linear_weight(random_weight(rng, 128, 128), None, (64, 64))}
+  with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}.*weight_block_size = \[128, 128\].*\[64, 64\]"):
+    checkpoints.save_hf_fp8_linears(tmp_path / "other.safetensors", other)
+  assert not (tmp_path / "other.safetensors").exists()
+  assert json.loads((tmp_path / "config.json").read_text()) == config
+  checkpoints.save_hf_fp8_linears(tmp_path / "other.safetensors", other, config=False)  # the caller's choice
+  assert json.loads((tmp_path / "config.json").read_text()) == config
+
+
+def test_save_refuses_mixed_block_sizes(safetensors_numpy, rng, tmp_path):
+  mixed = {"a": weights.fp8_linear_weight(random_weight(rng, 128, 128), None, (128, 128)),
+           "b": weights.fp8_linear_weight(random_weight(rng, 128, 128), None, (64, 64))}
+  with pytest.raises(ValueError,
+                     match=r"one block size.*weights\['a'\] has \(128, 128\) and weights\['b'\] has \(64, 64\)"):
+    checkpoints.save_hf_fp8_linears(tmp_path / "model.safetensors", mixed)
+  assert not list(tmp_path.iterdir())
