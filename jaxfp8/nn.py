@@ -32,6 +32,26 @@ from jaxfp8.weights import Fp8LinearWeight
 DEFAULT_BLOCK_SIZE = weights.DEFAULT_BLOCK_SIZE
 
 
+def _check_weight(weight, shape: tuple[int, int], block_size: tuple[int, int], use_bias: bool) -> None:
+  """`weight` fits a layer of `shape` (N, K) and `block_size`, and `use_bias` keeps its bias."""
+  if not isinstance(weight, Fp8LinearWeight):
+    raise TypeError(f"weight must be an Fp8LinearWeight, got {type(weight).__name__}")
+  if weight.shape != shape or tuple(weight.block_size) != block_size:
+    raise ValueError(f"weight has shape {weight.shape} and block_size {weight.block_size}; the layer needs "
+                     f"{shape} and {block_size}")
+  _checks.array("weight.w_q", weight.w_q, (gemm.FP8,))
+  _checks.array("weight.w_s", weight.w_s, (jnp.dtype(jnp.float32),))
+  weights._check_scale_shape(shape, tuple(weight.w_s.shape), block_size, "weight.w_s")
+  if weight.bias is None:
+    return
+  if not use_bias:
+    raise ValueError(f"use_bias=False, but the weight has a bias (shape {tuple(weight.bias.shape)}): pass "
+                     "use_bias=True to keep it, or a weight without a bias")
+  _checks.array("weight.bias", weight.bias, _checks.FLOAT_DTYPES, ndim=None)
+  if tuple(weight.bias.shape) != (shape[0],):
+    raise ValueError(f"weight.bias must have shape (N,) = ({shape[0]},), got {tuple(weight.bias.shape)}")
+
+
 class Fp8Weight(nnx.Variable):
   """Block-FP8 weight codes or scales: frozen at inference, so not an `nnx.Param`."""
 
@@ -41,7 +61,8 @@ class Fp8Linear(nnx.Module):
 
   Args:
     in_features, out_features: K and N; K must be a multiple of block_size[1] (the activations' group size).
-    use_bias: whether the layer has a bias.
+    use_bias: whether the layer has a bias. With `weight`: True keeps its bias, or makes a zero bias if it has none;
+      False with a weight that has a bias is refused (a bias is never dropped).
     block_size: (gn, gk) of the weight scales.
     dtype: if set, x is cast to it first (the output has x's dtype after that cast), like nnx.Linear's dtype.
     param_dtype: dtype of the float kernel drawn by kernel_init and of the bias.
@@ -101,10 +122,9 @@ class Fp8Linear(nnx.Module):
     self.mesh = mesh
     self.axis_name = axis_name
     scale_shape = (-(-out_features // gn), -(-in_features // gk))
+    use_bias = _checks.flag("use_bias", use_bias)
     if weight is not None:
-      if weight.shape != (out_features, in_features) or tuple(weight.block_size) != (gn, gk):
-        raise ValueError(f"weight has shape {weight.shape} and block_size {weight.block_size}; the layer needs "
-                         f"({out_features}, {in_features}) and {(gn, gk)}")
+      _check_weight(weight, (out_features, in_features), (gn, gk), use_bias)
       w_q, w_s, bias = weight.w_q, weight.w_s, weight.bias
       if use_bias and bias is None:
         bias = jnp.zeros((out_features,), param_dtype)
@@ -124,7 +144,7 @@ class Fp8Linear(nnx.Module):
   def from_weights(cls, w_q, w_s, bias=None, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
                    **options) -> Fp8Linear:
     """A layer holding checkpoint tensors: w_q (N, K) e4m3fn (`weight`), w_s float32 (`weight_scale_inv`), and an
-    optional (N,) bias of any float dtype (kept in float32)."""
+    optional (N,) bias of any float dtype (kept in float32). `use_bias` defaults to whether a bias is given."""
     _checks.array("w_q", w_q, (gemm.FP8,))
     _checks.array("w_s", w_s, (jnp.dtype(jnp.float32),))
     weights._check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), _checks.block_size(block_size), "w_s")
@@ -134,7 +154,9 @@ class Fp8Linear(nnx.Module):
       raise ValueError(f"bias must have shape (N,) = ({w_q.shape[0]},), got {tuple(bias.shape)}")
     weight = Fp8LinearWeight(jnp.asarray(w_q), jnp.asarray(w_s), bias, tuple(block_size))
     n, k = w_q.shape
-    return cls(k, n, use_bias=bias is not None, block_size=block_size, weight=weight, **options)
+    # use_bias=True without a bias gives a zero bias; use_bias=False with one is refused (the constructor says so).
+    use_bias = options.pop("use_bias", bias is not None)
+    return cls(k, n, use_bias=use_bias, block_size=block_size, weight=weight, **options)
 
   @classmethod
   def from_fp8_weight(cls, weight: Fp8LinearWeight, **options) -> Fp8Linear:

@@ -3,6 +3,8 @@ quantize_linears over a model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +147,26 @@ def test_checkpoint_to_layer(rng, tmp_path):
   expect = ref.cast_output(ref.w8a8_block_fp8_linear(np.asarray(x), w.w_q, w.w_s, (128, 128), bias=w.bias),
                            jnp.bfloat16)
   assert ref.relative_error(layer(x), expect) <= 5e-3
+
+
+def test_a_bias_is_never_dropped(rng):
+  w_q, w_s = ref.quantize_weight_blockwise(rng.standard_normal((128, 256)).astype(np.float32))
+  bias = rng.standard_normal(128).astype(np.float32)
+  weight = weights.Fp8LinearWeight(jnp.asarray(w_q), jnp.asarray(w_s), jnp.asarray(bias))
+  message = r"use_bias=False, but the weight has a bias \(shape \(128,\)\)"
+  with pytest.raises(ValueError, match=message):
+    Fp8Linear(256, 128, use_bias=False, weight=weight)
+  with pytest.raises(ValueError, match=message):
+    Fp8Linear.from_weights(w_q, w_s, bias, use_bias=False)
+  with pytest.raises(ValueError, match=message):
+    Fp8Linear.from_fp8_weight(weight, use_bias=False)
+  dense = nnx.Linear(256, 128, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=message):
+    Fp8Linear.from_linear(dense, use_bias=False)
+  # use_bias=True without a bias: a zero bias, as a fresh layer's.
+  for layer in (Fp8Linear.from_weights(w_q, w_s, use_bias=True),
+                Fp8Linear(256, 128, use_bias=True, weight=dataclasses.replace(weight, bias=None)),
+                Fp8Linear.from_linear(nnx.Linear(256, 128, use_bias=False, rngs=nnx.Rngs(0)), use_bias=True)):
+    assert layer.bias[...].shape == (128,) and not jnp.any(layer.bias[...])
+  kept = Fp8Linear(256, 128, weight=weight)
+  np.testing.assert_array_equal(np.asarray(kept.bias[...]), bias)
