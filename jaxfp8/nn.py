@@ -1,9 +1,13 @@
 """Flax NNX layers (optional extra `jaxfp8[nn]`): `Fp8Linear`, a block-FP8 drop-in for `nnx.Linear` at inference.
 
-    layer = Fp8Linear.from_linear(nnx.Linear(7168, 1536, rngs=nnx.Rngs(0)))      # quantize a float layer
-    layer = Fp8Linear.from_weights(w_q, w_s, bias, block_size=(128, 128))         # or take checkpoint tensors
+    dense = nnx.Linear(7168, 1536, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer = Fp8Linear.from_linear(dense)                                          # quantize a float layer
+    layer = Fp8Linear.from_weights(w_q, w_s, bias, param_dtype=jnp.bfloat16)      # or take checkpoint tensors
     y = layer(x)                                   # x (..., 7168) bf16 -> (..., 1536) bf16, eager or under nnx.jit
     quantize_linears(model)                        # every nnx.Linear of a model, in place
+
+The output dtype follows nnx.Linear's rule: `dtype` if set, else the promotion of x's dtype and `param_dtype` (so
+bf16 activations with the default float32 param_dtype give float32, as they do from the nnx.Linear).
 
 The layer holds w_q (N, K) float8_e4m3fn and w_s (ceil(N/gn), ceil(K/gk)) float32 as `Fp8Weight` variables (not
 `nnx.Param`: an optimizer over nnx.Param leaves them alone; `nnx.state(model, Fp8Weight)` selects them) and the bias
@@ -64,8 +68,10 @@ class Fp8Linear(nnx.Module):
     use_bias: whether the layer has a bias. With `weight`: True keeps its bias, or makes a zero bias if it has none;
       False with a weight that has a bias is refused (a bias is never dropped).
     block_size: (gn, gk) of the weight scales.
-    dtype: if set, x is cast to it first (the output has x's dtype after that cast), like nnx.Linear's dtype.
-    param_dtype: dtype of the float kernel drawn by kernel_init and of the bias.
+    dtype: the computation (and output) dtype, x being cast to it first; None: the promotion of x's dtype and
+      param_dtype (`jnp.result_type`), nnx.Linear's rule (bf16 x with float32 parameters gives float32).
+    param_dtype: the dtype of the float parameters the layer stands for: of the kernel drawn by kernel_init and the
+      bias of a fresh layer, and in the dtype rule above (`from_linear` takes the nnx.Linear's).
     implementation, quant_implementation, interpret: as in `jaxfp8.w8a8_block_fp8_linear`.
     parallel: None, "column" (N split over mesh axis `axis_name`) or "row" (K split, outputs summed).
     mesh, axis_name: the mesh and its tensor-parallel axis, for `parallel`.
@@ -114,7 +120,8 @@ class Fp8Linear(nnx.Module):
     self.in_features = in_features
     self.out_features = out_features
     self.block_size = (gn, gk)
-    self.dtype = dtype
+    self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
+    self.param_dtype = _checks.float_dtype("param_dtype", param_dtype)
     self.implementation = implementation
     self.quant_implementation = quant_implementation
     self.interpret = interpret
@@ -167,13 +174,15 @@ class Fp8Linear(nnx.Module):
   def from_linear(cls, layer: nnx.Linear, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
                   **options) -> Fp8Linear:
     """Quantizes an `nnx.Linear`: its (K, N) kernel becomes the (N, K) w_q and its block scales; the bias is kept.
-    The new layer keeps the old one's `dtype` unless `dtype` is given."""
+    The new layer keeps the old one's `dtype` and, as param_dtype, the promotion of its kernel's and bias' dtypes
+    (what nnx.Linear computes in when dtype is None), unless they are given."""
     if not isinstance(layer, nnx.Linear):
       raise TypeError(f"layer must be an nnx.Linear, got {type(layer).__name__}")
     kernel = layer.kernel[...]
     w_q, w_s = weights.quantize_weight_blockwise(kernel.T, block_size)
     bias = None if layer.bias is None else layer.bias[...]
     options.setdefault("dtype", layer.dtype)
+    options.setdefault("param_dtype", jnp.result_type(*(a.dtype for a in (kernel, bias) if a is not None)))
     return cls.from_weights(w_q, w_s, bias, block_size=block_size, **options)
 
   def fp8_weight(self) -> Fp8LinearWeight:
@@ -186,11 +195,18 @@ class Fp8Linear(nnx.Module):
     return weights.dequantize_weight_blockwise(self.w_q[...], self.w_s[...], self.block_size, dtype=dtype).T
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    if self.dtype is not None:
-      x = jnp.asarray(x).astype(self.dtype)
+    if not hasattr(x, "dtype"):
+      x = jnp.asarray(x)
+    # nnx.Linear's rule (flax.nnx.nn.dtypes.promote_dtype): compute in `dtype`, else in the promotion of the input's
+    # and the parameters' dtypes.
+    dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, self.param_dtype)
+    if jnp.dtype(x.dtype) not in _checks.FLOAT_DTYPES or jnp.promote_types(x.dtype, dtype) != dtype:
+      x = x.astype(dtype)  # a narrowing cast rounds x, as nnx.Linear's does
+    # Else x widens to dtype exactly and is left as it is: quantization reads float32(x) either way (§1 of
+    # docs/CONTRACT.md), so only the output dtype changes.
     args = (x, self.w_q[...], self.w_s[...], self.block_size, None if self.bias is None else self.bias[...])
-    options = dict(implementation=self.implementation, quant_implementation=self.quant_implementation,
-                   interpret=self.interpret)
+    options = dict(out_dtype=dtype, implementation=self.implementation,
+                   quant_implementation=self.quant_implementation, interpret=self.interpret)
     if self.parallel == "column":
       return linear.column_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
     if self.parallel == "row":

@@ -26,11 +26,12 @@ def _x(rng, shape, dtype=jnp.bfloat16):
   return jnp.asarray(rng.standard_normal(shape) * 3, dtype)
 
 
-def _expected(layer: nnx.Linear, x, block_size=(128, 128)):
+def _expected(layer: nnx.Linear, x, block_size=(128, 128), out_dtype=None):
   """The reference linear on the reference quantization of the layer's transposed kernel."""
   w_q, w_s = ref.quantize_weight_blockwise(np.asarray(layer.kernel[...]).T, block_size)
   bias = None if layer.bias is None else np.asarray(layer.bias[...])
-  return ref.cast_output(ref.w8a8_block_fp8_linear(np.asarray(x), w_q, w_s, block_size, bias=bias), x.dtype)
+  return ref.cast_output(ref.w8a8_block_fp8_linear(np.asarray(x), w_q, w_s, block_size, bias=bias),
+                         out_dtype or x.dtype)
 
 
 @pytest.mark.parametrize("in_features, out_features, use_bias, block_size, x_shape", [
@@ -47,8 +48,9 @@ def test_from_linear_matches_reference(rng, in_features, out_features, use_bias,
   assert (layer.bias is None) == (not use_bias)
   x = _x(rng, x_shape)
   out = layer(x)
-  assert out.shape == (*x_shape[:-1], out_features) and out.dtype == jnp.bfloat16
-  assert ref.relative_error(out, _expected(dense, x, block_size)) <= 5e-3
+  # bf16 x, float32 parameters: float32 out, as from the nnx.Linear (test_output_dtype_follows_nnx_linear).
+  assert out.shape == (*x_shape[:-1], out_features) and out.dtype == dense(x).dtype == jnp.float32
+  assert ref.relative_error(out, _expected(dense, x, block_size, jnp.float32)) <= 5e-3
   # FP8 weights and activations: close to the float layer, within FP8's precision.
   assert ref.relative_error(out, dense(x.astype(jnp.float32))) <= 0.1
   # The dequantized kernel is the float kernel up to e4m3 rounding.
@@ -170,3 +172,34 @@ def test_a_bias_is_never_dropped(rng):
     assert layer.bias[...].shape == (128,) and not jnp.any(layer.bias[...])
   kept = Fp8Linear(256, 128, weight=weight)
   np.testing.assert_array_equal(np.asarray(kept.bias[...]), bias)
+
+
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("x_dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_output_dtype_follows_nnx_linear(rng, x_dtype, param_dtype):
+  # nnx.Linear computes in `dtype`, else in the promotion of the input's and the parameters' dtypes; so does the
+  # converted layer (bf16 input, float32 parameters -> float32).
+  x = _x(rng, (3, 128), x_dtype)
+  for dtype in (None, jnp.bfloat16, jnp.float32):
+    dense = nnx.Linear(128, 128, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    dense.bias[...] = jnp.asarray(rng.standard_normal(128), param_dtype)
+    layer = Fp8Linear.from_linear(dense)
+    expected_dtype = dense(x).dtype
+    assert expected_dtype == (dtype or jnp.promote_types(x_dtype, param_dtype))
+    out = layer(x)
+    assert out.dtype == expected_dtype, (dtype, out.dtype, expected_dtype)
+    if dtype is None:
+      assert jax.eval_shape(lambda x: layer(x), x).dtype == expected_dtype  # traced, as under nnx.jit
+    # Computed as nnx.Linear computes: on x rounded to the computation dtype.
+    x_c = np.asarray(x.astype(expected_dtype))
+    kernel = np.asarray(dense.kernel[...]).astype(np.float32)
+    w_q, w_s = ref.quantize_weight_blockwise(kernel.T)
+    expect = ref.cast_output(ref.w8a8_block_fp8_linear(x_c, w_q, w_s, (128, 128),
+                                                       bias=np.asarray(dense.bias[...]).astype(np.float32)),
+                             expected_dtype)
+    assert ref.relative_error(out, expect) <= 5e-3
+  fresh = Fp8Linear(128, 64, param_dtype=param_dtype, rngs=nnx.Rngs(1))
+  assert fresh(x).dtype == jnp.promote_types(x_dtype, param_dtype)

@@ -279,3 +279,10 @@ def test_fp8_linear_mesh_must_be_a_mesh():
 def test_fp8_linear_from_weights_bias_shape():
   with pytest.raises(ValueError, match=r"bias must have shape \(N,\) = \(4,\), got \(5,\)"):
     nn.Fp8Linear.from_weights(np.ones((4, 128), FP8), np.ones((1, 1), np.float32), bias=np.ones(5))
+
+
+def test_fp8_linear_dtypes_must_be_float_dtypes():
+  with pytest.raises(ValueError, match="param_dtype must be bfloat16, float16 or float32, got int8"):
+    nn.Fp8Linear(128, 64, param_dtype=jnp.int8)
+  with pytest.raises(TypeError, match="dtype must be a floating dtype .* got 'nope'"):
+    nn.Fp8Linear(128, 64, dtype="nope")
