@@ -214,6 +214,16 @@ class Fp8Linear(nnx.Module):
     return linear.w8a8_block_fp8_linear(*args, **options)
 
 
+def _set_at(module: nnx.Module, path: tuple, value) -> None:
+  parent = module
+  for key in path[:-1]:
+    parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+  if isinstance(path[-1], int):
+    parent[path[-1]] = value
+  else:
+    setattr(parent, path[-1], value)
+
+
 def quantize_linears(
     module: nnx.Module,
     *,
@@ -224,25 +234,31 @@ def quantize_linears(
   """Replaces, in place, every `nnx.Linear` inside `module` with `Fp8Linear.from_linear` of it.
 
   predicate(path, layer) picks the layers (default: those whose in_features is a multiple of block_size[1]; others,
-  such as a small router, stay in float). Returns the paths of the replaced layers. `options` go to Fp8Linear.
+  such as a small router, stay in float). A layer reachable by several paths (shared) is converted once, the predicate
+  seeing one of its paths, and the same Fp8Linear goes to every path, so the sharing is kept. Returns the paths of
+  the replaced layers, every path of a shared one. `options` go to Fp8Linear.
   """
   gn, gk = _checks.block_size(block_size)
   if predicate is None:
     predicate = lambda path, layer: layer.in_features % gk == 0
-  targets = [(path, sub) for path, sub in nnx.iter_modules(module)
+  pending = [(path, sub) for path, sub in nnx.iter_modules(module)
              if isinstance(sub, nnx.Linear) and predicate(path, sub)]
-  for path, sub in targets:
-    if not path:
-      raise ValueError("module is itself an nnx.Linear: use Fp8Linear.from_linear(module)")
-    parent = module
-    for key in path[:-1]:
-      parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-    new = Fp8Linear.from_linear(sub, block_size=(gn, gk), **options)
-    if isinstance(path[-1], int):
-      parent[path[-1]] = new
-    else:
-      setattr(parent, path[-1], new)
-  return [path for path, _ in targets]
-
+  if any(not path for path, _ in pending):
+    raise ValueError("module is itself an nnx.Linear: use Fp8Linear.from_linear(module)")
+  # id -> (the float layer, kept alive so that its id stays its own; its Fp8Linear). All are converted before the
+  # model changes, so that an error leaves it as it was.
+  converted = {id(sub): (sub, Fp8Linear.from_linear(sub, block_size=(gn, gk), **options)) for _, sub in pending}
+  done: dict[tuple, None] = {}  # the replaced paths, in order
+  while pending:
+    for path, sub in pending:
+      if path in done:
+        raise ValueError(f"the nnx.Linear at {path} cannot be replaced (in a container that cannot be assigned to?)")
+      _set_at(module, path, converted[id(sub)][1])
+      done[path] = None
+    # nnx.iter_modules visits a shared layer once, at one of its paths: its other paths show only once that one
+    # holds the Fp8Linear, so look again until no path holds a converted layer.
+    pending = [(path, sub) for path, sub in nnx.iter_modules(module)
+               if id(sub) in converted and converted[id(sub)][0] is sub]
+  return list(done)
 
 __all__ = ["Fp8Linear", "Fp8Weight", "quantize_linears"]

@@ -203,3 +203,28 @@ def test_output_dtype_follows_nnx_linear(rng, x_dtype, param_dtype):
     assert ref.relative_error(out, expect) <= 5e-3
   fresh = Fp8Linear(128, 64, param_dtype=param_dtype, rngs=nnx.Rngs(1))
   assert fresh(x).dtype == jnp.promote_types(x_dtype, param_dtype)
+
+
+class _Shared(nnx.Module):
+  def __init__(self, rngs):
+    self.proj = nnx.Linear(128, 128, rngs=rngs)
+    self.tied = self.proj                                      # the same layer under a second name
+    self.blocks = nnx.List([self.proj, nnx.Linear(128, 128, rngs=rngs)])  # and a third path, in a list
+    self.other = nnx.Linear(128, 128, rngs=rngs)
+
+
+def test_quantize_linears_converts_a_shared_layer_once_at_every_path(rng):
+  model = _Shared(nnx.Rngs(0))
+  x = _x(rng, (2, 128), jnp.float32)
+  before = model.proj(x)
+  paths = quantize_linears(model)
+  assert sorted(paths) == [("blocks", 0), ("blocks", 1), ("other",), ("proj",), ("tied",)]
+  assert isinstance(model.proj, Fp8Linear) and model.tied is model.proj and model.blocks[0] is model.proj
+  assert isinstance(model.blocks[1], Fp8Linear) and model.blocks[1] is not model.proj
+  assert model.other is not model.proj
+  assert ref.relative_error(model.tied(x), before) <= 0.1
+  # The sharing survives split/merge: one layer, one set of weights.
+  graphdef, state = nnx.split(model)
+  assert len(jax.tree.leaves(nnx.state(model, Fp8Weight))) == 2 * 3
+  merged = nnx.merge(graphdef, state)
+  assert merged.tied is merged.proj
