@@ -214,6 +214,18 @@ class Fp8Linear(nnx.Module):
     return linear.w8a8_block_fp8_linear(*args, **options)
 
 
+def is_router(path: tuple) -> bool:
+  """Whether `path` names the router (gate) of an MoE block: its attribute name (the last name on the path, list
+  indices skipped) is `gate` or `router` or contains `router`, in any case. `gate_proj` is no router.
+
+  Routers stay in float: their input is the hidden size (DeepSeek-V3's `mlp.gate` 7168 -> 256 experts, Qwen3-MoE's
+  2048 -> 128), a multiple of 128, but their few outputs pick the experts, where FP8's error can flip a choice.
+  """
+  names = [key for key in path if isinstance(key, str)]
+  name = names[-1].lower() if names else ""
+  return name in ("gate", "router") or "router" in name
+
+
 def _set_at(module: nnx.Module, path: tuple, value) -> None:
   parent = module
   for key in path[:-1]:
@@ -233,14 +245,18 @@ def quantize_linears(
 ) -> list[tuple]:
   """Replaces, in place, every `nnx.Linear` inside `module` with `Fp8Linear.from_linear` of it.
 
-  predicate(path, layer) picks the layers (default: those whose in_features is a multiple of block_size[1]; others,
-  such as a small router, stay in float). A layer reachable by several paths (shared) is converted once, the predicate
-  seeing one of its paths, and the same Fp8Linear goes to every path, so the sharing is kept. Returns the paths of
-  the replaced layers, every path of a shared one. `options` go to Fp8Linear.
+  predicate(path, layer) picks the layers. The default picks those whose in_features is a multiple of block_size[1]
+  and that are no MoE router (`is_router(path)`: the attribute name is `gate` or `router` or contains `router`;
+  `gate_proj` is an ordinary projection and is picked); routers and narrow layers stay in float. A predicate given
+  replaces this rule entirely (combine it with `is_router` to keep routers in float).
+
+  A layer reachable by several paths (shared) is converted once, the predicate seeing one of its paths, and the same
+  Fp8Linear goes to every path, so the sharing is kept. Returns the paths of the replaced layers, every path of a
+  shared one. `options` go to Fp8Linear.
   """
   gn, gk = _checks.block_size(block_size)
   if predicate is None:
-    predicate = lambda path, layer: layer.in_features % gk == 0
+    predicate = lambda path, layer: layer.in_features % gk == 0 and not is_router(path)
   pending = [(path, sub) for path, sub in nnx.iter_modules(module)
              if isinstance(sub, nnx.Linear) and predicate(path, sub)]
   if any(not path for path, _ in pending):
@@ -261,4 +277,4 @@ def quantize_linears(
                if id(sub) in converted and converted[id(sub)][0] is sub]
   return list(done)
 
-__all__ = ["Fp8Linear", "Fp8Weight", "quantize_linears"]
+__all__ = ["Fp8Linear", "Fp8Weight", "quantize_linears", "is_router"]

@@ -15,6 +15,7 @@ from jaxfp8 import reference as ref
 
 nnx = pytest.importorskip("flax.nnx")
 from jaxfp8.nn import Fp8Linear, Fp8Weight, quantize_linears  # noqa: E402  (after the importorskip)
+from jaxfp8.nn import is_router as nn_is_router  # noqa: E402
 
 
 def _bits(a):
@@ -112,7 +113,7 @@ class _Mlp(nnx.Module):
   def __init__(self, rngs):
     self.up = nnx.Linear(256, 384, rngs=rngs)
     self.blocks = nnx.List([nnx.Linear(384, 384, rngs=rngs), nnx.Linear(384, 256, use_bias=False, rngs=rngs)])
-    self.router = nnx.Linear(256, 8, rngs=rngs)  # in_features 256: quantized too unless the predicate says no
+    self.router = nnx.Linear(256, 8, rngs=rngs)  # in_features 256, but a router: the default predicate skips it
     self.odd = nnx.Linear(100, 4, rngs=rngs)     # 100 % 128 != 0: stays float
 
   def __call__(self, x):
@@ -132,7 +133,7 @@ def test_quantize_linears_replaces_layers_in_place(rng):
   assert isinstance(model.router, nnx.Linear) and isinstance(model.odd, nnx.Linear)
   fp8_out = nnx.jit(lambda m, x: m(x))(model, x)[0]
   assert ref.relative_error(fp8_out, float_out) <= 0.1
-  assert quantize_linears(model) == [("router",)]  # the default predicate still skips `odd`
+  assert quantize_linears(model) == []  # the default predicate skips `router` (a router) and `odd` (100 wide)
   with pytest.raises(ValueError, match="itself an nnx.Linear"):
     quantize_linears(nnx.Linear(128, 4, rngs=nnx.Rngs(0)))
 
@@ -228,3 +229,28 @@ def test_quantize_linears_converts_a_shared_layer_once_at_every_path(rng):
   assert len(jax.tree.leaves(nnx.state(model, Fp8Weight))) == 2 * 3
   merged = nnx.merge(graphdef, state)
   assert merged.tied is merged.proj
+
+
+class _MoeMlp(nnx.Module):
+  """The names of a Qwen3-MoE / DeepSeek-V3 MoE block: routers as wide as the hidden size, so a multiple of 128."""
+
+  def __init__(self, rngs):
+    self.gate = nnx.Linear(256, 8, use_bias=False, rngs=rngs)       # the router (mlp.gate): stays float
+    self.gate_proj = nnx.Linear(256, 384, use_bias=False, rngs=rngs)  # an ordinary projection: quantized
+    self.up_proj = nnx.Linear(256, 384, use_bias=False, rngs=rngs)
+    self.down_proj = nnx.Linear(384, 256, use_bias=False, rngs=rngs)
+    self.shared_router = nnx.Linear(256, 8, rngs=rngs)                # any name containing "router": float
+    self.routers = nnx.List([nnx.Linear(256, 8, rngs=rngs)])          # named by the list's attribute: float
+
+
+def test_default_predicate_keeps_routers_in_float():
+  model = _MoeMlp(nnx.Rngs(0))
+  paths = quantize_linears(model)
+  assert sorted(paths) == [("down_proj",), ("gate_proj",), ("up_proj",)]
+  assert all(isinstance(getattr(model, name), Fp8Linear) for name in ("gate_proj", "up_proj", "down_proj"))
+  assert isinstance(model.gate, nnx.Linear) and isinstance(model.shared_router, nnx.Linear)
+  assert isinstance(model.routers[0], nnx.Linear)
+  assert nn_is_router(("layers", 3, "mlp", "gate")) and nn_is_router(("moe", "Router")) and nn_is_router(("routers", 0))
+  assert not any(nn_is_router(p) for p in [("mlp", "gate_proj"), ("mlp", "gate_up_proj"), ("mlp", "experts", 0), ()])
+  # A predicate of the caller's replaces the default rule entirely.
+  assert quantize_linears(model, predicate=lambda path, layer: path == ("gate",)) == [("gate",)]
