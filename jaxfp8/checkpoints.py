@@ -126,7 +126,7 @@ def _read_header(f, path: Path) -> tuple[int, dict]:
   """(data start, tensor table) of an open safetensors file: an 8-byte little-endian header length, then JSON."""
   size = os.fstat(f.fileno()).st_size
   head = f.read(8)
-  (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+  length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
   if length is None or length > size - 8:
     raise ValueError(f"{str(path)!r} is not a safetensors file: its {size} bytes cannot hold the header length "
                      f"{length}")

@@ -18,7 +18,6 @@ Face `weight` layout, so conversion transposes once. With `parallel="column"` or
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -101,9 +100,8 @@ class Fp8Linear(nnx.Module):
       weight: Fp8LinearWeight | None = None,
   ):
     gn, gk = _checks.block_size(block_size)
-    for name, value in (("in_features", in_features), ("out_features", out_features)):
-      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    in_features = _checks.positive_int("in_features", in_features)
+    out_features = _checks.positive_int("out_features", out_features)
     for name, value, allowed in (("implementation", implementation, linear.IMPLEMENTATIONS),
                                  ("quant_implementation", quant_implementation, quant.IMPLEMENTATIONS)):
       if value is not None and value not in allowed:
