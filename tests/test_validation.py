@@ -8,9 +8,11 @@ Rules already tested elsewhere (not repeated here):
     layouts, block_size, out_dtype, bias, implementation, Triton configs), test_configs_that_cannot_run_are_rejected,
     test_mosaic_rejects_unaligned_m, test_gpu_implementations_without_interpret_on_cpu_are_rejected.
   w8a8_block_fp8_linear / explain: tests/test_linear.py test_validation_errors, test_explicit_implementations_are_*.
-  quantize/dequantize_weight_blockwise, load_hf_fp8_linears: tests/test_weights.py.
+  quantize/dequantize_weight_blockwise, load_hf_fp8_linears, save_hf_fp8_linears, config.json: tests/test_weights.py
+    (weight dtype beside block scales, scales without weight, malformed block size or config, what save refuses).
   column/row_parallel_linear: tests/test_sharding.py (shares of N/K, axis name, Explicit-sharded x).
-  nn.Fp8Linear: tests/test_nn.py (w_s shape, in_features % gk, parallel without mesh, from_linear type).
+  nn.Fp8Linear: tests/test_nn.py (w_s shape, in_features % gk, parallel without mesh, from_linear type, a bias that
+    use_bias=False would drop).
 """
 
 from __future__ import annotations
