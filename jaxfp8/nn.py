@@ -1,9 +1,13 @@
 """Flax NNX layers (optional extra `jaxfp8[nn]`): `Fp8Linear`, a block-FP8 drop-in for `nnx.Linear` at inference.
 
-    layer = Fp8Linear.from_linear(nnx.Linear(7168, 1536, rngs=nnx.Rngs(0)))      # quantize a float layer
-    layer = Fp8Linear.from_weights(w_q, w_s, bias, block_size=(128, 128))         # or take checkpoint tensors
+    dense = nnx.Linear(7168, 1536, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer = Fp8Linear.from_linear(dense)                                          # quantize a float layer
+    layer = Fp8Linear.from_weights(w_q, w_s, bias, param_dtype=jnp.bfloat16)      # or take checkpoint tensors
     y = layer(x)                                   # x (..., 7168) bf16 -> (..., 1536) bf16, eager or under nnx.jit
     quantize_linears(model)                        # every nnx.Linear of a model, in place
+
+The output dtype follows nnx.Linear's rule: `dtype` if set, else the promotion of x's dtype and `param_dtype` (so
+bf16 activations with the default float32 param_dtype give float32, as they do from the nnx.Linear).
 
 The layer holds w_q (N, K) float8_e4m3fn and w_s (ceil(N/gn), ceil(K/gk)) float32 as `Fp8Weight` variables (not
 `nnx.Param`: an optimizer over nnx.Param leaves them alone; `nnx.state(model, Fp8Weight)` selects them) and the bias
@@ -14,7 +18,6 @@ Face `weight` layout, so conversion transposes once. With `parallel="column"` or
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,26 @@ from jaxfp8.weights import Fp8LinearWeight
 DEFAULT_BLOCK_SIZE = weights.DEFAULT_BLOCK_SIZE
 
 
+def _check_weight(weight, shape: tuple[int, int], block_size: tuple[int, int], use_bias: bool) -> None:
+  """`weight` fits a layer of `shape` (N, K) and `block_size`, and `use_bias` keeps its bias."""
+  if not isinstance(weight, Fp8LinearWeight):
+    raise TypeError(f"weight must be an Fp8LinearWeight, got {type(weight).__name__}")
+  if weight.shape != shape or tuple(weight.block_size) != block_size:
+    raise ValueError(f"weight has shape {weight.shape} and block_size {weight.block_size}; the layer needs "
+                     f"{shape} and {block_size}")
+  _checks.array("weight.w_q", weight.w_q, (gemm.FP8,))
+  _checks.array("weight.w_s", weight.w_s, (jnp.dtype(jnp.float32),))
+  weights._check_scale_shape(shape, tuple(weight.w_s.shape), block_size, "weight.w_s")
+  if weight.bias is None:
+    return
+  if not use_bias:
+    raise ValueError(f"use_bias=False, but the weight has a bias (shape {tuple(weight.bias.shape)}): pass "
+                     "use_bias=True to keep it, or a weight without a bias")
+  _checks.array("weight.bias", weight.bias, _checks.FLOAT_DTYPES, ndim=None)
+  if tuple(weight.bias.shape) != (shape[0],):
+    raise ValueError(f"weight.bias must have shape (N,) = ({shape[0]},), got {tuple(weight.bias.shape)}")
+
+
 class Fp8Weight(nnx.Variable):
   """Block-FP8 weight codes or scales: frozen at inference, so not an `nnx.Param`."""
 
@@ -41,10 +64,13 @@ class Fp8Linear(nnx.Module):
 
   Args:
     in_features, out_features: K and N; K must be a multiple of block_size[1] (the activations' group size).
-    use_bias: whether the layer has a bias.
+    use_bias: whether the layer has a bias. With `weight`: True keeps its bias, or makes a zero bias if it has none;
+      False with a weight that has a bias is refused (a bias is never dropped).
     block_size: (gn, gk) of the weight scales.
-    dtype: if set, x is cast to it first (the output has x's dtype after that cast), like nnx.Linear's dtype.
-    param_dtype: dtype of the float kernel drawn by kernel_init and of the bias.
+    dtype: the computation (and output) dtype, x being cast to it first; None: the promotion of x's dtype and
+      param_dtype (`jnp.result_type`), nnx.Linear's rule (bf16 x with float32 parameters gives float32).
+    param_dtype: the dtype of the float parameters the layer stands for: of the kernel drawn by kernel_init and the
+      bias of a fresh layer, and in the dtype rule above (`from_linear` takes the nnx.Linear's).
     implementation, quant_implementation, interpret: as in `jaxfp8.w8a8_block_fp8_linear`.
     parallel: None, "column" (N split over mesh axis `axis_name`) or "row" (K split, outputs summed).
     mesh, axis_name: the mesh and its tensor-parallel axis, for `parallel`.
@@ -74,9 +100,8 @@ class Fp8Linear(nnx.Module):
       weight: Fp8LinearWeight | None = None,
   ):
     gn, gk = _checks.block_size(block_size)
-    for name, value in (("in_features", in_features), ("out_features", out_features)):
-      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    in_features = _checks.positive_int("in_features", in_features)
+    out_features = _checks.positive_int("out_features", out_features)
     for name, value, allowed in (("implementation", implementation, linear.IMPLEMENTATIONS),
                                  ("quant_implementation", quant_implementation, quant.IMPLEMENTATIONS)):
       if value is not None and value not in allowed:
@@ -93,7 +118,8 @@ class Fp8Linear(nnx.Module):
     self.in_features = in_features
     self.out_features = out_features
     self.block_size = (gn, gk)
-    self.dtype = dtype
+    self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
+    self.param_dtype = _checks.float_dtype("param_dtype", param_dtype)
     self.implementation = implementation
     self.quant_implementation = quant_implementation
     self.interpret = interpret
@@ -101,10 +127,9 @@ class Fp8Linear(nnx.Module):
     self.mesh = mesh
     self.axis_name = axis_name
     scale_shape = (-(-out_features // gn), -(-in_features // gk))
+    use_bias = _checks.flag("use_bias", use_bias)
     if weight is not None:
-      if weight.shape != (out_features, in_features) or tuple(weight.block_size) != (gn, gk):
-        raise ValueError(f"weight has shape {weight.shape} and block_size {weight.block_size}; the layer needs "
-                         f"({out_features}, {in_features}) and {(gn, gk)}")
+      _check_weight(weight, (out_features, in_features), (gn, gk), use_bias)
       w_q, w_s, bias = weight.w_q, weight.w_s, weight.bias
       if use_bias and bias is None:
         bias = jnp.zeros((out_features,), param_dtype)
@@ -124,7 +149,7 @@ class Fp8Linear(nnx.Module):
   def from_weights(cls, w_q, w_s, bias=None, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
                    **options) -> Fp8Linear:
     """A layer holding checkpoint tensors: w_q (N, K) e4m3fn (`weight`), w_s float32 (`weight_scale_inv`), and an
-    optional (N,) bias of any float dtype (kept in float32)."""
+    optional (N,) bias of any float dtype (kept in float32). `use_bias` defaults to whether a bias is given."""
     _checks.array("w_q", w_q, (gemm.FP8,))
     _checks.array("w_s", w_s, (jnp.dtype(jnp.float32),))
     weights._check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), _checks.block_size(block_size), "w_s")
@@ -134,7 +159,9 @@ class Fp8Linear(nnx.Module):
       raise ValueError(f"bias must have shape (N,) = ({w_q.shape[0]},), got {tuple(bias.shape)}")
     weight = Fp8LinearWeight(jnp.asarray(w_q), jnp.asarray(w_s), bias, tuple(block_size))
     n, k = w_q.shape
-    return cls(k, n, use_bias=bias is not None, block_size=block_size, weight=weight, **options)
+    # use_bias=True without a bias gives a zero bias; use_bias=False with one is refused (the constructor says so).
+    use_bias = options.pop("use_bias", bias is not None)
+    return cls(k, n, use_bias=use_bias, block_size=block_size, weight=weight, **options)
 
   @classmethod
   def from_fp8_weight(cls, weight: Fp8LinearWeight, **options) -> Fp8Linear:
@@ -145,13 +172,15 @@ class Fp8Linear(nnx.Module):
   def from_linear(cls, layer: nnx.Linear, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
                   **options) -> Fp8Linear:
     """Quantizes an `nnx.Linear`: its (K, N) kernel becomes the (N, K) w_q and its block scales; the bias is kept.
-    The new layer keeps the old one's `dtype` unless `dtype` is given."""
+    The new layer keeps the old one's `dtype` and, as param_dtype, the promotion of its kernel's and bias' dtypes
+    (what nnx.Linear computes in when dtype is None), unless they are given."""
     if not isinstance(layer, nnx.Linear):
       raise TypeError(f"layer must be an nnx.Linear, got {type(layer).__name__}")
     kernel = layer.kernel[...]
     w_q, w_s = weights.quantize_weight_blockwise(kernel.T, block_size)
     bias = None if layer.bias is None else layer.bias[...]
     options.setdefault("dtype", layer.dtype)
+    options.setdefault("param_dtype", jnp.result_type(*(a.dtype for a in (kernel, bias) if a is not None)))
     return cls.from_weights(w_q, w_s, bias, block_size=block_size, **options)
 
   def fp8_weight(self) -> Fp8LinearWeight:
@@ -164,16 +193,45 @@ class Fp8Linear(nnx.Module):
     return weights.dequantize_weight_blockwise(self.w_q[...], self.w_s[...], self.block_size, dtype=dtype).T
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    if self.dtype is not None:
-      x = jnp.asarray(x).astype(self.dtype)
+    if not hasattr(x, "dtype"):
+      x = jnp.asarray(x)
+    # nnx.Linear's rule (flax.nnx.nn.dtypes.promote_dtype): compute in `dtype`, else in the promotion of the input's
+    # and the parameters' dtypes.
+    dtype = self.dtype if self.dtype is not None else jnp.result_type(x.dtype, self.param_dtype)
+    if jnp.dtype(x.dtype) not in _checks.FLOAT_DTYPES or jnp.promote_types(x.dtype, dtype) != dtype:
+      x = x.astype(dtype)  # a narrowing cast rounds x, as nnx.Linear's does
+    # Else x widens to dtype exactly and is left as it is: quantization reads float32(x) either way (§1 of
+    # docs/CONTRACT.md), so only the output dtype changes.
     args = (x, self.w_q[...], self.w_s[...], self.block_size, None if self.bias is None else self.bias[...])
-    options = dict(implementation=self.implementation, quant_implementation=self.quant_implementation,
-                   interpret=self.interpret)
+    options = dict(out_dtype=dtype, implementation=self.implementation,
+                   quant_implementation=self.quant_implementation, interpret=self.interpret)
     if self.parallel == "column":
       return linear.column_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
     if self.parallel == "row":
       return linear.row_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
     return linear.w8a8_block_fp8_linear(*args, **options)
+
+
+def is_router(path: tuple) -> bool:
+  """Whether `path` names the router (gate) of an MoE block: its attribute name (the last name on the path, list
+  indices skipped) is `gate` or `router` or contains `router`, in any case. `gate_proj` is no router.
+
+  Routers stay in float: their input is the hidden size (DeepSeek-V3's `mlp.gate` 7168 -> 256 experts, Qwen3-MoE's
+  2048 -> 128), a multiple of 128, but their few outputs pick the experts, where FP8's error can flip a choice.
+  """
+  names = [key for key in path if isinstance(key, str)]
+  name = names[-1].lower() if names else ""
+  return name in ("gate", "router") or "router" in name
+
+
+def _set_at(module: nnx.Module, path: tuple, value) -> None:
+  parent = module
+  for key in path[:-1]:
+    parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+  if isinstance(path[-1], int):
+    parent[path[-1]] = value
+  else:
+    setattr(parent, path[-1], value)
 
 
 def quantize_linears(
@@ -185,26 +243,36 @@ def quantize_linears(
 ) -> list[tuple]:
   """Replaces, in place, every `nnx.Linear` inside `module` with `Fp8Linear.from_linear` of it.
 
-  predicate(path, layer) picks the layers (default: those whose in_features is a multiple of block_size[1]; others,
-  such as a small router, stay in float). Returns the paths of the replaced layers. `options` go to Fp8Linear.
+  predicate(path, layer) picks the layers. The default picks those whose in_features is a multiple of block_size[1]
+  and that are no MoE router (`is_router(path)`: the attribute name is `gate` or `router` or contains `router`;
+  `gate_proj` is an ordinary projection and is picked); routers and narrow layers stay in float. A predicate given
+  replaces this rule entirely (combine it with `is_router` to keep routers in float).
+
+  A layer reachable by several paths (shared) is converted once, the predicate seeing one of its paths, and the same
+  Fp8Linear goes to every path, so the sharing is kept. Returns the paths of the replaced layers, every path of a
+  shared one. `options` go to Fp8Linear.
   """
   gn, gk = _checks.block_size(block_size)
   if predicate is None:
-    predicate = lambda path, layer: layer.in_features % gk == 0
-  targets = [(path, sub) for path, sub in nnx.iter_modules(module)
+    predicate = lambda path, layer: layer.in_features % gk == 0 and not is_router(path)
+  pending = [(path, sub) for path, sub in nnx.iter_modules(module)
              if isinstance(sub, nnx.Linear) and predicate(path, sub)]
-  for path, sub in targets:
-    if not path:
-      raise ValueError("module is itself an nnx.Linear: use Fp8Linear.from_linear(module)")
-    parent = module
-    for key in path[:-1]:
-      parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-    new = Fp8Linear.from_linear(sub, block_size=(gn, gk), **options)
-    if isinstance(path[-1], int):
-      parent[path[-1]] = new
-    else:
-      setattr(parent, path[-1], new)
-  return [path for path, _ in targets]
+  if any(not path for path, _ in pending):
+    raise ValueError("module is itself an nnx.Linear: use Fp8Linear.from_linear(module)")
+  # id -> (the float layer, kept alive so that its id stays its own; its Fp8Linear). All are converted before the
+  # model changes, so that an error leaves it as it was.
+  converted = {id(sub): (sub, Fp8Linear.from_linear(sub, block_size=(gn, gk), **options)) for _, sub in pending}
+  done: dict[tuple, None] = {}  # the replaced paths, in order
+  while pending:
+    for path, sub in pending:
+      if path in done:
+        raise ValueError(f"the nnx.Linear at {path} cannot be replaced (in a container that cannot be assigned to?)")
+      _set_at(module, path, converted[id(sub)][1])
+      done[path] = None
+    # nnx.iter_modules visits a shared layer once, at one of its paths: its other paths show only once that one
+    # holds the Fp8Linear, so look again until no path holds a converted layer.
+    pending = [(path, sub) for path, sub in nnx.iter_modules(module)
+               if id(sub) in converted and converted[id(sub)][0] is sub]
+  return list(done)
 
-
-__all__ = ["Fp8Linear", "Fp8Weight", "quantize_linears"]
+__all__ = ["Fp8Linear", "Fp8Weight", "quantize_linears", "is_router"]

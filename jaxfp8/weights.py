@@ -1,30 +1,22 @@
-"""Block-FP8 weights (SPEC.md section 4): blockwise quantization and its inverse, and Hugging Face FP8 checkpoints.
+"""Block-FP8 weights (docs/CONTRACT.md §4): blockwise quantization and its inverse.
 
 A weight of a linear layer is stored the way DeepSeek-V3 and Qwen3-FP8 checkpoints store it (the Hugging Face FP8
 convention): `w_q` (N, K) float8_e4m3fn, K contiguous (`<prefix>.weight`), and one float32 scale per (gn, gk) block,
 `w_s` (ceil(N/gn), ceil(K/gk)) (`<prefix>.weight_scale_inv`: despite the name, the factor that multiplies the codes
 back: w ~= w_q * w_s). `Fp8LinearWeight` bundles the two with the optional bias and the block size.
 
-Checkpoints are read with the `safetensors` library (optional extra `jaxfp8[checkpoints]`). Its NumPy reader has no
-float8 types (safetensors issue #682: it looks up `numpy.float8_e4m3fn`), so fp8 tensors that it refuses are mapped
-from the file by their offsets in the safetensors header and viewed as `ml_dtypes.float8_e4m3fn`: no copy until the
-arrays go to a device.
+Reading and writing Hugging Face checkpoints lives in `jaxfp8.checkpoints`; its public functions are importable
+from here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
-import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from jaxfp8 import _checks
@@ -33,16 +25,10 @@ from jaxfp8.kernels import exact_division as _exact_division
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
-# float32(1/448) (0x3B124925): a scale is amax * R, a multiply every backend rounds the same way (SPEC 1 and 4).
+# float32(1/448) (0x3B124925): a scale is amax * R, a multiply every backend rounds the same way (docs/CONTRACT.md §0).
 R = np.float32(1.0 / 448.0)
 DEFAULT_BLOCK_SIZE = (128, 128)
-WEIGHT_SUFFIX = ".weight"
-SCALE_SUFFIX = ".weight_scale_inv"
-BIAS_SUFFIX = ".bias"
 WEIGHT_DTYPES = _checks.FLOAT_DTYPES
-# safetensors dtype names of the types its NumPy reader may refuse, and what they are.
-_RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-               "BF16": np.dtype(ml_dtypes.bfloat16)}
 
 
 # ---- the weight of one linear layer --------------------------------------------------------------------------------
@@ -70,7 +56,7 @@ class Fp8LinearWeight:
     return dequantize_weight_blockwise(self.w_q, self.w_s, self.block_size, dtype=dtype)
 
 
-# ---- quantization (SPEC 4) -----------------------------------------------------------------------------------------
+# ---- quantization (docs/CONTRACT.md §4) -----------------------------------------------------------------------------
 
 def _check_weight(w) -> None:
   if not hasattr(w, "dtype") or not hasattr(w, "shape"):
@@ -83,7 +69,7 @@ def _check_weight(w) -> None:
 
 def quantize_weight_blockwise(w, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE, *, eps: float = 1e-10
                               ) -> tuple[jax.Array, jax.Array]:
-  """Quantizes a (N, K) weight to float8_e4m3fn with one float32 scale per (gn, gk) block (SPEC.md section 4).
+  """Quantizes a (N, K) weight to float8_e4m3fn with one float32 scale per (gn, gk) block (docs/CONTRACT.md §4).
 
   Per block: s = max(amax over the block's valid elements, eps) * float32(1/448), q = e4m3fn(clip(w / s, -448, 448)).
   Partial edge blocks (N % gn, K % gk) use only their valid elements. A NaN makes its block's scale and codes NaN.
@@ -154,222 +140,17 @@ def fp8_linear_weight(w, bias=None, block_size: tuple[int, int] = DEFAULT_BLOCK_
   return Fp8LinearWeight(w_q, w_s, None if bias is None else jnp.asarray(bias), tuple(block_size))
 
 
-# ---- Hugging Face FP8 checkpoints (safetensors) ---------------------------------------------------------------------
-
-def _safetensors():
-  try:
-    import safetensors  # noqa: F401
-    from safetensors import numpy as safetensors_numpy
-  except ImportError as e:
-    raise ImportError("reading and writing checkpoints needs the safetensors package: "
-                      "pip install 'jaxfp8[checkpoints]' (or pip install safetensors)") from e
-  return safetensors, safetensors_numpy
+# The checkpoint functions live in jaxfp8.checkpoints, which imports this module: they are resolved on first use, so
+# that `from jaxfp8.weights import load_hf_fp8_linears` works without an import cycle.
+_CHECKPOINT_NAMES = ("checkpoint_files", "read_block_size", "load_hf_fp8_linears", "save_hf_fp8_linears",
+                     "WEIGHT_SUFFIX", "SCALE_SUFFIX", "BIAS_SUFFIX")
 
 
-def checkpoint_files(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-  """The safetensors files of a checkpoint: a file, a list of files, or a directory (the files its
-  `model.safetensors.index.json` names, else every `*.safetensors` file in it)."""
-  if isinstance(path, (str, os.PathLike)):
-    path = Path(path)
-    if path.is_dir():
-      index = path / "model.safetensors.index.json"
-      if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [path / name for name in sorted(set(weight_map.values()))]
-      else:
-        files = sorted(path.glob("*.safetensors"))
-      if not files:
-        raise FileNotFoundError(f"no *.safetensors files in the directory {str(path)!r}")
-    else:
-      files = [path]
-  else:
-    if isinstance(path, bytes) or not isinstance(path, Sequence) or not all(
-        isinstance(p, (str, os.PathLike)) for p in path):
-      raise TypeError(f"path must be a file or directory path or a list of file paths, got {path!r}")
-    if not path:
-      raise ValueError("path is an empty list of checkpoint files")
-    files = [Path(p) for p in path]
-  for f in files:
-    if not f.is_file():
-      raise FileNotFoundError(f"checkpoint file {str(f)!r} does not exist")
-  return files
-
-
-def read_block_size(directory: str | os.PathLike) -> tuple[int, int] | None:
-  """`quantization_config.weight_block_size` of the checkpoint's config.json, if it has one."""
-  config = Path(directory) / "config.json"
-  if not config.is_file():
-    return None
-  block = json.loads(config.read_text()).get("quantization_config", {}).get("weight_block_size")
-  return None if block is None else (int(block[0]), int(block[1]))
-
-
-@functools.cache
-def _header(path: Path, mtime_ns: int) -> tuple[int, dict]:
-  """(data start, tensor table) of a safetensors file: an 8-byte little-endian header length, then JSON."""
-  del mtime_ns  # part of the cache key only
-  with open(path, "rb") as f:
-    (length,) = struct.unpack("<Q", f.read(8))
-    return 8 + length, json.loads(f.read(length))
-
-
-def _read_tensor(handle, path: Path, name: str) -> np.ndarray:
-  """One tensor as a NumPy array (fp8 and bf16 as ml_dtypes arrays)."""
-  dtype_name = handle.get_slice(name).get_dtype()
-  try:
-    array = handle.get_tensor(name)
-  except (AttributeError, TypeError, KeyError):
-    # safetensors' NumPy reader has no float8 type (it asks numpy for one): map the bytes ourselves.
-    if dtype_name not in _RAW_DTYPES:
-      raise
-    start, table = _header(path, path.stat().st_mtime_ns)
-    info = table[name]
-    begin, end = info["data_offsets"]
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
-    return raw.view(_RAW_DTYPES[dtype_name]).reshape(info["shape"])
-  if dtype_name in _RAW_DTYPES and array.dtype != _RAW_DTYPES[dtype_name]:
-    array = array.view(_RAW_DTYPES[dtype_name])  # a reader that hands out raw bytes (uint8) for fp8
-  return array
-
-
-def _selected(prefix: str, select) -> bool:
-  if select is None:
-    return True
-  if callable(select):
-    return bool(select(prefix))
-  return prefix in select
-
-
-def _placement(sharding, prefix: str, field: str, shape: tuple[int, ...]):
-  if callable(sharding) and not isinstance(sharding, (jax.sharding.Sharding, jax.Device)):
-    return sharding(prefix, field, shape)
-  return sharding
-
-
-def load_hf_fp8_linears(
-    path: str | os.PathLike | Sequence[str | os.PathLike],
-    *,
-    block_size: tuple[int, int] | None = None,
-    select: Callable[[str], bool] | Iterable[str] | None = None,
-    sharding: Any = None,
-    as_numpy: bool = False,
-) -> dict[str, Fp8LinearWeight]:
-  """Reads every block-FP8 linear weight of a Hugging Face FP8 checkpoint (safetensors files).
-
-  A linear layer `<prefix>` is a `<prefix>.weight` stored as float8_e4m3fn (F8_E4M3) with its
-  `<prefix>.weight_scale_inv` float32 block scales (the DeepSeek-V3 / Qwen3-FP8 convention); a `<prefix>.bias`, if
-  present, comes along. Tensors of other types (norms, embeddings, bf16 layers) are left out. A weight and its scales
-  may sit in different files of a sharded checkpoint.
-
-  Args:
-    path: a .safetensors file, a list of them, or the checkpoint directory.
-    block_size: (gn, gk); None: the directory's config.json `quantization_config.weight_block_size`, else (128, 128).
-      Every scale array must have shape (ceil(N/gn), ceil(K/gk)).
-    select: which prefixes to load: a predicate or a collection of prefixes (None: all).
-    sharding: where the arrays go: None (the default device), a Device or Sharding for all of them, or a callable
-      (prefix, field, shape) -> Device | Sharding | None, field being "w_q", "w_s" or "bias".
-    as_numpy: return NumPy arrays (memory-mapped where possible) instead of device arrays.
-
-  Returns:
-    {prefix: Fp8LinearWeight}, sorted by prefix.
-
-  Raises:
-    ValueError: an fp8 weight without `weight_scale_inv` (e.g. a per-tensor FP8 checkpoint), or scales whose shape
-      does not fit the block size.
-  """
-  if select is not None and not callable(select) and (isinstance(select, (str, bytes)) or not isinstance(
-      select, Iterable)):
-    raise TypeError(f"select must be None, a predicate or a collection of prefixes, got {select!r}")
-  safetensors, _ = _safetensors()
-  files = checkpoint_files(path)
-  if block_size is None:
-    directory = Path(path) if isinstance(path, (str, os.PathLike)) and Path(path).is_dir() else files[0].parent
-    block_size = read_block_size(directory) or DEFAULT_BLOCK_SIZE
-  block_size = _checks.block_size(block_size)
-
-  # Every tensor name -> its file, so that a weight and its scales may be in different files.
-  location: dict[str, Path] = {}
-  dtypes: dict[str, str] = {}
-  for f in files:
-    with safetensors.safe_open(str(f), framework="numpy") as handle:
-      for name in handle.keys():
-        location[name] = f
-        dtypes[name] = handle.get_slice(name).get_dtype()
-
-  prefixes = sorted(name[:-len(WEIGHT_SUFFIX)] for name in location
-                    if name.endswith(WEIGHT_SUFFIX) and dtypes[name] == "F8_E4M3")
-  handles: dict[Path, Any] = {}
-
-  def read(name: str) -> np.ndarray:
-    f = location[name]
-    if f not in handles:
-      handles[f] = safetensors.safe_open(str(f), framework="numpy").__enter__()
-    return _read_tensor(handles[f], f, name)
-
-  out: dict[str, Fp8LinearWeight] = {}
-  try:
-    for prefix in prefixes:
-      if not _selected(prefix, select):
-        continue
-      scale_name = prefix + SCALE_SUFFIX
-      if scale_name not in location:
-        others = [n for n in location if n.startswith(prefix + ".") and n != prefix + WEIGHT_SUFFIX]
-        raise ValueError(
-            f"{prefix + WEIGHT_SUFFIX!r} is float8_e4m3fn but has no {scale_name!r} (block scales); found "
-            f"{others or 'nothing else'} for this layer. Only the blockwise Hugging Face FP8 convention "
-            "(weight + weight_scale_inv) is supported")
-      w_q = read(prefix + WEIGHT_SUFFIX)
-      if w_q.ndim != 2:
-        raise ValueError(f"{prefix + WEIGHT_SUFFIX!r} must be 2-D (N, K), got shape {w_q.shape}")
-      w_s = read(scale_name)
-      if not np.issubdtype(w_s.dtype, np.floating) and w_s.dtype != _RAW_DTYPES["BF16"]:
-        raise TypeError(f"{scale_name!r} must be floating point, got {w_s.dtype}")
-      try:
-        _check_scale_shape(w_q.shape, w_s.shape, block_size, repr(scale_name))
-      except ValueError as e:
-        raise ValueError(f"{e}; pass the checkpoint's block_size") from None
-      w_s = w_s.astype(np.float32, copy=False)
-      bias = read(prefix + BIAS_SUFFIX) if prefix + BIAS_SUFFIX in location else None
-      if bias is not None and tuple(bias.shape) != (w_q.shape[0],):
-        raise ValueError(f"{prefix + BIAS_SUFFIX!r} must have shape ({w_q.shape[0]},), got {tuple(bias.shape)}")
-      arrays = {"w_q": w_q, "w_s": w_s, "bias": bias}
-      if not as_numpy:
-        arrays = {field: None if a is None else jax.device_put(a, _placement(sharding, prefix, field, a.shape))
-                  for field, a in arrays.items()}
-      out[prefix] = Fp8LinearWeight(arrays["w_q"], arrays["w_s"], arrays["bias"], block_size)
-  finally:
-    for handle in handles.values():
-      handle.__exit__(None, None, None)
-  return out
-
-
-def save_hf_fp8_linears(
-    path: str | os.PathLike,
-    weights: Mapping[str, Fp8LinearWeight],
-    *,
-    extra: Mapping[str, Any] | None = None,
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-  """Writes linear weights in the Hugging Face FP8 convention (`<prefix>.weight` F8_E4M3, `<prefix>.weight_scale_inv`
-  F32, `<prefix>.bias`) to one safetensors file, with any `extra` tensors as they are."""
-  _, safetensors_numpy = _safetensors()
-  tensors: dict[str, np.ndarray] = {}
-  for prefix, weight in weights.items():
-    w_q = np.asarray(weight.w_q)
-    w_s = np.asarray(weight.w_s)
-    if w_q.dtype != FP8:
-      raise TypeError(f"{prefix}: w_q must be float8_e4m3fn, got {w_q.dtype}")
-    _check_scale_shape(w_q.shape, w_s.shape, weight.block_size, f"{prefix}: w_s")
-    tensors[prefix + WEIGHT_SUFFIX] = w_q
-    tensors[prefix + SCALE_SUFFIX] = w_s.astype(np.float32)
-    if weight.bias is not None:
-      tensors[prefix + BIAS_SUFFIX] = np.asarray(weight.bias)
-  for name, value in (extra or {}).items():
-    if name in tensors:
-      raise ValueError(f"extra tensor {name!r} collides with a linear weight's tensor")
-    tensors[name] = np.asarray(value)
-  safetensors_numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path),
-                              metadata=dict(metadata or {"format": "pt"}))
+def __getattr__(name: str):
+  if name in _CHECKPOINT_NAMES:
+    from jaxfp8 import checkpoints
+    return getattr(checkpoints, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

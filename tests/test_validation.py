@@ -8,9 +8,11 @@ Rules already tested elsewhere (not repeated here):
     layouts, block_size, out_dtype, bias, implementation, Triton configs), test_configs_that_cannot_run_are_rejected,
     test_mosaic_rejects_unaligned_m, test_gpu_implementations_without_interpret_on_cpu_are_rejected.
   w8a8_block_fp8_linear / explain: tests/test_linear.py test_validation_errors, test_explicit_implementations_are_*.
-  quantize/dequantize_weight_blockwise, load_hf_fp8_linears: tests/test_weights.py.
+  quantize/dequantize_weight_blockwise, load_hf_fp8_linears, save_hf_fp8_linears, config.json: tests/test_weights.py
+    (weight dtype beside block scales, scales without weight, malformed block size or config, what save refuses).
   column/row_parallel_linear: tests/test_sharding.py (shares of N/K, axis name, Explicit-sharded x).
-  nn.Fp8Linear: tests/test_nn.py (w_s shape, in_features % gk, parallel without mesh, from_linear type).
+  nn.Fp8Linear: tests/test_nn.py (w_s shape, in_features % gk, parallel without mesh, from_linear type, a bias that
+    use_bias=False would drop).
 """
 
 from __future__ import annotations
@@ -254,6 +256,12 @@ def test_load_checkpoint_select_type(tmp_path):
       weights.load_hf_fp8_linears(tmp_path, select=select, block_size=(128, 128))
 
 
+def test_load_checkpoint_as_numpy_must_be_a_bool(tmp_path):
+  pytest.importorskip("safetensors")
+  with pytest.raises(TypeError, match="as_numpy must be a bool, got 'no'"):
+    weights.load_hf_fp8_linears(tmp_path, as_numpy="no")
+
+
 # ---- nn.Fp8Linear --------------------------------------------------------------------------------------------------
 
 nn = pytest.importorskip("jaxfp8.nn")
@@ -283,3 +291,10 @@ def test_fp8_linear_mesh_must_be_a_mesh():
 def test_fp8_linear_from_weights_bias_shape():
   with pytest.raises(ValueError, match=r"bias must have shape \(N,\) = \(4,\), got \(5,\)"):
     nn.Fp8Linear.from_weights(np.ones((4, 128), FP8), np.ones((1, 1), np.float32), bias=np.ones(5))
+
+
+def test_fp8_linear_dtypes_must_be_float_dtypes():
+  with pytest.raises(ValueError, match="param_dtype must be bfloat16, float16 or float32, got int8"):
+    nn.Fp8Linear(128, 64, param_dtype=jnp.int8)
+  with pytest.raises(TypeError, match="dtype must be a floating dtype .* got 'nope'"):
+    nn.Fp8Linear(128, 64, dtype="nope")

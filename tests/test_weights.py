@@ -1,10 +1,13 @@
-"""jaxfp8.weights: blockwise weight quantization (SPEC 4) against the reference, its inverse, and Hugging Face FP8
-checkpoints in safetensors files that the tests write themselves."""
+"""jaxfp8.weights and jaxfp8.checkpoints (docs/CONTRACT.md §4): blockwise weight quantization against the reference,
+its inverse, and Hugging Face FP8 checkpoints in safetensors files that the tests write themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxfp8 import linear, weights
+from jaxfp8 import checkpoints, linear, weights
 from jaxfp8 import reference as ref
 
 
@@ -120,6 +123,17 @@ def test_fp8_linear_weight_is_a_pytree(rng):
 
 
 # ---- Hugging Face FP8 checkpoints ------------------------------------------------------------------------------------
+
+def test_checkpoint_functions_are_importable_from_weights():
+  import jaxfp8
+  from jaxfp8.weights import checkpoint_files, load_hf_fp8_linears, read_block_size, save_hf_fp8_linears
+  assert load_hf_fp8_linears is checkpoints.load_hf_fp8_linears is jaxfp8.load_hf_fp8_linears
+  assert save_hf_fp8_linears is checkpoints.save_hf_fp8_linears is jaxfp8.save_hf_fp8_linears
+  assert checkpoint_files is checkpoints.checkpoint_files and read_block_size is checkpoints.read_block_size
+  with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+    weights.nothing  # noqa: B018
+
+
 
 def _hf_layer(rng, n, k, block_size=(128, 128), bias_dtype=None):
   q, s = ref.quantize_weight_blockwise(random_weight(rng, n, k, block_size=block_size), block_size)
@@ -235,3 +249,142 @@ def test_save_and_load_round_trip(safetensors_numpy, rng, tmp_path):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
   with pytest.raises(ValueError, match="collides"):
     weights.save_hf_fp8_linears(path, saved, extra={"layer.a.weight": np.ones(2)})
+
+
+def test_file_replaced_with_its_mtime_kept_is_read_afresh(safetensors_numpy, rng, tmp_path):
+  # `cp -p`, `rsync -t` and tar keep a file's mtime: a replaced file must not be read with the old file's offsets.
+  path = tmp_path / "model.safetensors"
+  old_q, old_s, _ = _hf_layer(rng, 128, 256)
+  safetensors_numpy.save_file({"a.weight": old_q, "a.weight_scale_inv": old_s}, str(path), metadata={"format": "pt"})
+  first = checkpoints.load_hf_fp8_linears(path, as_numpy=True)
+  np.testing.assert_array_equal(first["a"].w_q.view(np.uint8), old_q.view(np.uint8))
+  stat = path.stat()
+  new_q, new_s, _ = _hf_layer(rng, 128, 256)
+  # A longer header and one more fp8 tensor ahead of a.weight: every offset moves.
+  safetensors_numpy.save_file({"a.weight": new_q, "a.weight_scale_inv": new_s, "0.codes": new_q[:1]}, str(path),
+                              metadata={"format": "pt", "note": "x" * 100})
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert path.stat().st_mtime_ns == stat.st_mtime_ns
+  again = checkpoints.load_hf_fp8_linears(path, as_numpy=True)
+  np.testing.assert_array_equal(again["a"].w_q.view(np.uint8), new_q.view(np.uint8))
+  np.testing.assert_array_equal(again["a"].w_s, new_s)
+
+
+@pytest.mark.parametrize("dtype, name", [(ml_dtypes.float8_e5m2, "F8_E5M2"), (np.uint8, "U8"),
+                                         (ml_dtypes.bfloat16, "BF16")])
+def test_a_weight_with_block_scales_must_be_e4m3(safetensors_numpy, rng, tmp_path, dtype, name):
+  # A weight_scale_inv promises a block-FP8 e4m3 weight (docs/CONTRACT.md §4): any other type is refused, not skipped.
+  q, s, _ = _hf_layer(rng, 128, 256)
+  path = tmp_path / "model.safetensors"
+  safetensors_numpy.save_file({"ok.weight": q, "ok.weight_scale_inv": s,
+                               "bad.weight": q.astype(np.float32).astype(dtype), "bad.weight_scale_inv": s}, str(path))
+  with pytest.raises(ValueError, match=rf"'bad.weight' has dtype {name} .*'bad.weight_scale_inv'.*float8_e4m3fn"):
+    checkpoints.load_hf_fp8_linears(path)
+  # A layer left out by select is not read, so it cannot be refused.
+  assert list(checkpoints.load_hf_fp8_linears(path, select=["ok"])) == ["ok"]
+
+
+def test_block_scales_without_their_weight_are_refused(safetensors_numpy, rng, tmp_path):
+  q, s, _ = _hf_layer(rng, 128, 256)
+  path = tmp_path / "model.safetensors"
+  safetensors_numpy.save_file({"a.weight": q, "a.weight_scale_inv": s, "b.weight_scale_inv": s}, str(path))
+  with pytest.raises(ValueError, match=r"'b.weight_scale_inv' has no weight 'b.weight'"):
+    checkpoints.load_hf_fp8_linears(path)
+
+
+@pytest.mark.parametrize("block", [[128], "128", [0, 128], [128.5, 128], [True, 128], [128, 128, 128], {"gn": 128}])
+def test_malformed_block_size_in_config_names_the_file(safetensors_numpy, rng, tmp_path, block):
+  q, s, _ = _hf_layer(rng, 128, 256)
+  safetensors_numpy.save_file({"a.weight": q, "a.weight_scale_inv": s}, str(tmp_path / "model.safetensors"))
+  config = tmp_path / "config.json"
+  config.write_text(json.dumps({"quantization_config": {"quant_method": "fp8", "weight_block_size": block}}))
+  message = rf"{config}.*weight_block_size.*{re.escape(repr(block))}"
+  with pytest.raises(ValueError, match=message):
+    checkpoints.read_block_size(tmp_path)
+  with pytest.raises(ValueError, match=message):
+    checkpoints.load_hf_fp8_linears(tmp_path)
+  # An explicit block_size does not need the config's.
+  assert list(checkpoints.load_hf_fp8_linears(tmp_path, block_size=(128, 128))) == ["a"]
+
+
+@pytest.mark.parametrize("text, message", [("{not json", "is not valid JSON"), ("[1, 2]", "must hold a JSON object"),
+                                           ('{"quantization_config": 3}', "quantization_config must be a JSON object")])
+def test_malformed_config_names_the_file(tmp_path, text, message):
+  config = tmp_path / "config.json"
+  config.write_text(text)
+  with pytest.raises(ValueError, match=rf"{config}.*{message}"):
+    checkpoints.read_block_size(tmp_path)
+
+
+def test_save_refuses_a_bias_or_scales_the_loader_would_refuse(safetensors_numpy, rng, tmp_path):
+  path = tmp_path / "model.safetensors"
+  good = weights.fp8_linear_weight(random_weight(rng, 200, 256), np.ones(200, np.float32))
+  cases = [
+      (dataclasses.replace(good, bias=np.ones(256, np.float32)), ValueError,
+       r"weights\['layer.a'\].bias must have shape \(N,\) = \(200,\) for its \(200, 256\) weight, got \(256,\)"),
+      (dataclasses.replace(good, bias=np.ones((1, 200), np.float32)), ValueError, r"got \(1, 200\)"),
+      (dataclasses.replace(good, w_s=np.asarray(good.w_s, np.float64)), TypeError,
+       r"weights\['layer.a'\].w_s must have dtype float32, got float64"),
+      (dataclasses.replace(good, w_s=jnp.asarray(good.w_s, jnp.bfloat16)), TypeError,
+       r"weights\['layer.a'\].w_s must have dtype float32, got bfloat16"),
+      (dataclasses.replace(good, bias=np.ones(200, np.int32)), TypeError,
+       r"weights\['layer.a'\].bias must have dtype bfloat16 or float16 or float32, got int32"),
+      (dataclasses.replace(good, w_q=np.asarray(good.w_q)[None]), ValueError, r"weights\['layer.a'\].w_q must be 2-D"),
+  ]
+  for weight, error, message in cases:
+    with pytest.raises(error, match=message):
+      checkpoints.save_hf_fp8_linears(path, {"layer.b": good, "layer.a": weight})
+    assert not path.exists()  # nothing is written
+  with pytest.raises(TypeError, match=r"weights\['layer.a'\] must be an Fp8LinearWeight, got tuple"):
+    checkpoints.save_hf_fp8_linears(path, {"layer.a": (good.w_q, good.w_s)})
+  checkpoints.save_hf_fp8_linears(path, {"layer.a": good})
+  assert list(checkpoints.load_hf_fp8_linears(path)) == ["layer.a"]
+
+
+def _quantization_config(block_size):
+  return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block_size)}
+
+
+@pytest.mark.parametrize("into_directory", [False, True])
+def test_save_writes_the_config_the_loader_reads_back(safetensors_numpy, rng, tmp_path, into_directory):
+  block_size = (128, 64)
+  saved = {"a": weights.fp8_linear_weight(random_weight(rng, 200, 192), None, block_size),
+           "b": weights.fp8_linear_weight(random_weight(rng, 64, 128), np.ones(64, np.float32), block_size)}
+  checkpoints.save_hf_fp8_linears(tmp_path if into_directory else tmp_path / "model.safetensors", saved)
+  assert (tmp_path / "model.safetensors").is_file()
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config == {"quantization_config": _quantization_config(block_size)}
+  assert checkpoints.read_block_size(tmp_path) == block_size
+  # No block_size given: the loader takes it from config.json (the default (128, 128) would not fit the scales).
+  for source in (tmp_path, tmp_path / "model.safetensors"):
+    loaded = checkpoints.load_hf_fp8_linears(source, as_numpy=True)
+    assert list(loaded) == ["a", "b"] and all(w.block_size == block_size for w in loaded.values())
+    np.testing.assert_array_equal(loaded["a"].w_s, np.asarray(saved["a"].w_s))
+
+
+def test_save_merges_an_existing_config(safetensors_numpy, rng, tmp_path):
+  existing = {"model_type": "deepseek_v3", "hidden_size": 7168,
+              "quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ["lm_head"]}}
+  (tmp_path / "config.json").write_text(json.dumps(existing))
+  saved = {"a": weights.fp8_linear_weight(random_weight(rng, 128, 128))}
+  checkpoints.save_hf_fp8_linears(tmp_path / "model.safetensors", saved)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config == {"model_type": "deepseek_v3", "hidden_size": 7168,
+                    "quantization_config": {**_quantization_config((128, 128)), "modules_to_not_convert": ["lm_head"]}}
+  # A config that says another block size describes other files of this directory: refused, nothing written.
+  other = {"a": weights.fp8_linear_weight(random_weight(rng, 128, 128), None, (64, 64))}
+  with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}.*weight_block_size = \[128, 128\].*\[64, 64\]"):
+    checkpoints.save_hf_fp8_linears(tmp_path / "other.safetensors", other)
+  assert not (tmp_path / "other.safetensors").exists()
+  assert json.loads((tmp_path / "config.json").read_text()) == config
+  checkpoints.save_hf_fp8_linears(tmp_path / "other.safetensors", other, config=False)  # the caller's choice
+  assert json.loads((tmp_path / "config.json").read_text()) == config
+
+
+def test_save_refuses_mixed_block_sizes(safetensors_numpy, rng, tmp_path):
+  mixed = {"a": weights.fp8_linear_weight(random_weight(rng, 128, 128), None, (128, 128)),
+           "b": weights.fp8_linear_weight(random_weight(rng, 128, 128), None, (64, 64))}
+  with pytest.raises(ValueError,
+                     match=r"one block size.*weights\['a'\] has \(128, 128\) and weights\['b'\] has \(64, 64\)"):
+    checkpoints.save_hf_fp8_linears(tmp_path / "model.safetensors", mixed)
+  assert not list(tmp_path.iterdir())
