@@ -2,12 +2,13 @@
 
     dense = nnx.Linear(7168, 1536, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     layer = Fp8Linear.from_linear(dense)                                          # quantize a float layer
-    layer = Fp8Linear.from_weights(w_q, w_s, bias, param_dtype=jnp.bfloat16)      # or take checkpoint tensors
+    layer = Fp8Linear.from_weights(w_q, w_s, bias)                                 # or take checkpoint tensors
     y = layer(x)                                   # x (..., 7168) bf16 -> (..., 1536) bf16, eager or under nnx.jit
     quantize_linears(model)                        # every nnx.Linear of a model, in place
 
 The output dtype follows nnx.Linear's rule: `dtype` if set, else the promotion of x's dtype and `param_dtype` (so
-bf16 activations with the default float32 param_dtype give float32, as they do from the nnx.Linear).
+bf16 activations with a float32 param_dtype give float32, as they do from the nnx.Linear; `from_weights`, which has no
+float layer to copy, defaults param_dtype to bfloat16, the dtype the FP8 checkpoints' models run in).
 
 The layer holds w_q (N, K) float8_e4m3fn and w_s (ceil(N/gn), ceil(K/gk)) float32 as `Fp8Weight` variables (not
 `nnx.Param`: an optimizer over nnx.Param leaves them alone; `nnx.state(model, Fp8Weight)` selects them) and the bias
@@ -149,7 +150,11 @@ class Fp8Linear(nnx.Module):
   def from_weights(cls, w_q, w_s, bias=None, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
                    **options) -> Fp8Linear:
     """A layer holding checkpoint tensors: w_q (N, K) e4m3fn (`weight`), w_s float32 (`weight_scale_inv`), and an
-    optional (N,) bias of any float dtype (kept in float32). `use_bias` defaults to whether a bias is given."""
+    optional (N,) bias of any float dtype (kept in float32). `use_bias` defaults to whether a bias is given.
+
+    `param_dtype` defaults to bfloat16 here, the dtype the FP8 checkpoints' models (DeepSeek-V3, Qwen3-FP8) run in:
+    bf16 activations give bf16 outputs, as the bf16 `nnx.Linear` of such a model would; pass param_dtype=float32 for
+    the float32 promotion of an `nnx.Linear` with float32 parameters."""
     _checks.array("w_q", w_q, (gemm.FP8,))
     _checks.array("w_s", w_s, (jnp.dtype(jnp.float32),))
     weights._check_scale_shape(tuple(w_q.shape), tuple(w_s.shape), _checks.block_size(block_size), "w_s")
@@ -161,6 +166,7 @@ class Fp8Linear(nnx.Module):
     n, k = w_q.shape
     # use_bias=True without a bias gives a zero bias; use_bias=False with one is refused (the constructor says so).
     use_bias = options.pop("use_bias", bias is not None)
+    options.setdefault("param_dtype", jnp.bfloat16)
     return cls(k, n, use_bias=use_bias, block_size=block_size, weight=weight, **options)
 
   @classmethod

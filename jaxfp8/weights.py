@@ -153,7 +153,4 @@ def __getattr__(name: str):
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "Fp8LinearWeight", "quantize_weight_blockwise", "dequantize_weight_blockwise", "fp8_linear_weight",
-    "checkpoint_files", "read_block_size", "load_hf_fp8_linears", "save_hf_fp8_linears",
-]
+__all__ = ["Fp8LinearWeight", "quantize_weight_blockwise", "dequantize_weight_blockwise", "fp8_linear_weight"]
