@@ -33,18 +33,26 @@ WEIGHT_DTYPES = _checks.FLOAT_DTYPES
 
 # ---- the weight of one linear layer --------------------------------------------------------------------------------
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["w_q", "w_s", "bias"], meta_fields=["block_size"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w_q", "w_s", "bias", "w_q_t"],
+                   meta_fields=["block_size"])
 @dataclasses.dataclass(frozen=True)
 class Fp8LinearWeight:
   """The block-FP8 weight of one linear layer (a pytree: the arrays are leaves, block_size is static).
 
   w_q: (N, K) float8_e4m3fn codes; w_s: (ceil(N/gn), ceil(K/gk)) float32 block scales; bias: optional (N,);
-  block_size: (gn, gk).
+  block_size: (gn, gk); w_q_t: optional (K, round_up(N, gn)) transposed codes, which the linear's FP8 backward
+  multiplies by (`with_transpose` builds them once, instead of a transpose in every backward pass).
   """
   w_q: Any
   w_s: Any
   bias: Any = None
   block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
+  w_q_t: Any = None
+
+  def with_transpose(self) -> "Fp8LinearWeight":
+    """This weight with `w_q_t` built (for training through the linear with backward="fp8")."""
+    from jaxfp8.linear.backward import transposed_codes
+    return dataclasses.replace(self, w_q_t=transposed_codes(jnp.asarray(self.w_q), self.block_size))
 
   @property
   def shape(self) -> tuple[int, int]:

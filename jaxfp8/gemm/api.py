@@ -13,12 +13,14 @@ Implementations:
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import jax
 import jax.numpy as jnp
 
 from jaxfp8 import _checks
+from jaxfp8 import _transforms as transforms
 from jaxfp8.gemm import planner
 
 OUT_DTYPES = _checks.FLOAT_DTYPES
@@ -107,7 +109,41 @@ def w8a8_block_fp8_matmul(
   p = planner.problem(out_rows or m, n, k, block_size, rows=m, out_dtype=out_dtype, a_s_column_major=a_s_column_major,
                       has_bias=bias is not None)
   plan = planner.plan(p, implementation=implementation, config=config, interpret=interpret)
-  return planner.run(a_q, b_q, a_s, b_s, bias, plan=plan)
+  if bias is None:
+    return transformable(plan, config, has_bias=False)(a_q, b_q, a_s, b_s)
+  return transformable(plan, config, has_bias=True)(a_q, b_q, a_s, b_s, bias)
+
+
+_OP = "jaxfp8.w8a8_block_fp8_matmul"
+_NO_DERIVATIVE = ("it multiplies quantized codes. Differentiate through jaxfp8.w8a8_block_fp8_linear, whose "
+                  "backward is defined (docs/CONTRACT.md §6)")
+
+
+def transformable(plan: planner.GemmPlan, config, *, has_bias: bool):
+  """The GEMM of `plan` as a function of its arrays that JAX's transforms treat the same on every implementation: no
+  derivative, and `jax.vmap` over the activations folded into their rows (one launch on the same weight)."""
+  def run(a_q, b_q, a_s, b_s, *bias):
+    return planner.run(a_q, b_q, a_s, b_s, bias[0] if bias else None, plan=plan)
+
+  def vmap_rule(axis_size, in_batched, a_q, b_q, a_s, b_s, *bias):
+    a_batched, b_batched, sa_batched, sb_batched, *bias_batched = in_batched
+    if b_batched or sb_batched or any(bias_batched):
+      transforms.refuse_vmap(_OP, "the weight (b_q, b_s) or the bias",
+                             "map over the activations only (their rows are folded into one call), or call once per "
+                             "weight")
+    p = plan.problem
+    a_q = a_q if a_batched else jnp.broadcast_to(a_q, (axis_size, *a_q.shape))
+    a_s = a_s if sa_batched else jnp.broadcast_to(a_s, (axis_size, *a_s.shape))
+    # Row-major (rows, G) scales per batch entry, whatever the layout, so that the rows fold with a_q's.
+    a_s = jnp.swapaxes(a_s[:, :, :p.rows], 1, 2) if p.a_s_column_major else a_s
+    folded = dataclasses.replace(p, m=axis_size * p.rows, rows=axis_size * p.rows, a_s_column_major=False)
+    folded_plan = planner.plan(folded, implementation=plan.implementation, config=config,
+                               interpret=plan.interpret, reason=plan.reason)
+    out = planner.run(a_q.reshape(-1, p.k), b_q, a_s.reshape(axis_size * p.rows, -1), b_s,
+                      bias[0] if bias else None, plan=folded_plan)
+    return out.reshape(axis_size, p.rows, p.n)[:, :p.m], True
+
+  return transforms.not_differentiable(transforms.batched(run, vmap_rule), _OP, _NO_DERIVATIVE)
 
 
 def plan_for(a_q, b_q, block_size, *, out_rows: int | None = None, out_dtype=jnp.bfloat16, a_s_column_major=False,

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ._jax_compat import out_struct
 from .triton_fp8_dot import fp8_group_dot
 
 # Triton's tt.dot needs every dimension >= 16; an 8-bit MMA consumes K in steps of 32.
@@ -338,10 +339,10 @@ def block_fp8_matmul(
     operands.append(bias)
   if split_k == 1:
     grid = (num_tiles,)
-    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+    out_shape = out_struct((m, n), out_dtype, *operands)
   else:
     grid = (num_tiles, split_k)
-    out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
+    out_shape = out_struct((split_k, m, n), jnp.float32, *operands)
   out = pl.pallas_call(
       kernel,
       out_shape=out_shape,

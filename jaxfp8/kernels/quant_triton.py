@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import exact_division
+from ._jax_compat import out_struct
 
 FP8_MAX = 448.0
 # float32(1/448): scale = amax * R, a multiply every backend rounds identically (SPEC 1).
@@ -181,7 +182,8 @@ def per_token_group_quant(
       scale_ue8m0=scale_ue8m0, fuse_silu_and_mul=fuse_silu_and_mul, config=config, interpret=interpret)
   return pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((batch, out_rows, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct(s_shape, s_dtype)),
+      out_shape=(out_struct((batch, out_rows, k), jnp.float8_e4m3fn, x, valid_rows),
+                 out_struct(s_shape, s_dtype, x, valid_rows)),
       grid=grid,
       compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,

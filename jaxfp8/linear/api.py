@@ -28,16 +28,29 @@ FP8 = jnp.dtype(jnp.float8_e4m3fn)
 F32 = jnp.dtype(jnp.float32)
 
 
-def unpack_weight(w_q, w_s, block_size, bias):
-  """(w_q, w_s, block_size, bias) from separate arguments or from an `Fp8LinearWeight` in place of w_q."""
+def unpack_weight(w_q, w_s, block_size, bias, w_q_t):
+  """(w_q, w_s, block_size, bias, w_q_t) from separate arguments or from an `Fp8LinearWeight` in place of w_q."""
   if not isinstance(w_q, Fp8LinearWeight):
     if w_s is None or block_size is None:
       raise TypeError("w8a8_block_fp8_linear needs w_q, w_s and block_size (or an Fp8LinearWeight in place of w_q)")
-    return w_q, w_s, block_size, bias
-  given = [name for name, value in (("w_s", w_s), ("block_size", block_size), ("bias", bias)) if value is not None]
+    return w_q, w_s, block_size, bias, w_q_t
+  given = [name for name, value in (("w_s", w_s), ("block_size", block_size), ("bias", bias), ("w_q_t", w_q_t))
+           if value is not None]
   if given:
-    raise TypeError(f"w_q is an Fp8LinearWeight, which holds w_s, block_size and bias; do not also pass {given}")
-  return w_q.w_q, w_q.w_s, w_q.block_size, w_q.bias
+    raise TypeError(f"w_q is an Fp8LinearWeight, which holds w_s, block_size, bias and w_q_t; do not also pass {given}")
+  return w_q.w_q, w_q.w_s, w_q.block_size, w_q.bias, w_q.w_q_t
+
+
+def check_transposed_codes(w_q_t, w_q, block_size) -> None:
+  if w_q_t is None:
+    return
+  _checks.array("w_q_t", w_q_t, (FP8,))
+  n, k = w_q.shape
+  expected = (k, _checks.round_up(n, block_size[0]))
+  if tuple(w_q_t.shape) != expected:
+    raise ValueError(f"w_q_t must be w_q's codes transposed and padded to whole gn groups, of shape (K, "
+                     f"round_up(N, gn)) = {expected}; got {tuple(w_q_t.shape)} (Fp8LinearWeight.with_transpose "
+                     "builds it)")
 
 
 def validate(x, w_q, w_s, bias, block_size, out_dtype) -> tuple[tuple[int, int], jnp.dtype]:
@@ -143,6 +156,8 @@ def w8a8_block_fp8_linear(
     row_alignment: int | None = None,
     config=None,
     interpret: bool | None = None,
+    backward: str = "fp8",
+    w_q_t: jax.Array | None = None,
 ) -> jax.Array:
   """y = quantize(x) @ (w_q * w_s)^T + bias, with block-FP8 activations and weights (docs/CONTRACT.md §3).
 
@@ -160,6 +175,11 @@ def w8a8_block_fp8_linear(
     row_alignment: pad the quantized rows to a multiple of this; None: what the GEMM needs (see `explain`).
     config: a GEMM config (TritonGemmConfig or the Mosaic kernel's); None: the GEMM's table or heuristic.
     interpret: run Pallas kernels in interpret mode; None: when there is no GPU.
+    backward: the gradient's mode under jax.grad / jax.vjp (docs/CONTRACT.md §6): "fp8" (dy quantized per 1 x gn
+      group, the block-FP8 GEMM against W^T) or "bf16" (dy against the dequantized weight). The weights are frozen:
+      their cotangents are zeros.
+    w_q_t: the transposed codes the "fp8" backward multiplies by, (K, round_up(N, gn)) (`Fp8LinearWeight.
+      with_transpose`); None: transposed in every backward pass.
 
   Returns:
     (..., N) in out_dtype (x.dtype by default).
@@ -167,19 +187,20 @@ def w8a8_block_fp8_linear(
   Eager calls pad M to a row bucket and reuse one compiled executable per bucket (`cache_info()`); inside `jax.jit`
   the call is traced inline and compiles nothing of its own.
   """
-  w_q, w_s, block_size, bias = unpack_weight(w_q, w_s, block_size, bias)
+  w_q, w_s, block_size, bias, w_q_t = unpack_weight(w_q, w_s, block_size, bias, w_q_t)
   block_size, out_dtype = validate(x, w_q, w_s, bias, block_size, out_dtype)
+  check_transposed_codes(w_q_t, w_q, block_size)
   check_not_explicitly_sharded(x=x, w_q=w_q, w_s=w_s, bias=bias)
-  w_q, w_s, bias = (as_device_array(a) for a in (w_q, w_s, bias))
-  options = planner.LinearOptions(implementation, quant_implementation, row_alignment, config, interpret)
+  w_q, w_s, bias, w_q_t = (as_device_array(a) for a in (w_q, w_s, bias, w_q_t))
+  options = planner.LinearOptions(implementation, quant_implementation, row_alignment, config, interpret, backward)
   n, k = w_q.shape
   has_bias = bias is not None
 
   def plan_for(m: int) -> planner.LinearPlan:
     return planner.plan(m, n, k, block_size, out_dtype, x.dtype, options, has_bias=has_bias)
 
-  if is_traced(x, w_q, w_s, bias):
-    return planner.apply(x, w_q, w_s, bias, plan_for(math.prod(x.shape[:-1])))
+  if is_traced(x, w_q, w_s, bias, w_q_t):
+    return planner.apply(x, w_q, w_s, bias, plan_for(math.prod(x.shape[:-1])), w_q_t)
   if not isinstance(x, (np.ndarray, jax.Array)):
     x = np.asarray(x)
   # Plan (and refuse) before padding anything; the executable is planned for its bucket.

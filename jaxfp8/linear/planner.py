@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform, gemm, quant
+from jaxfp8.linear import backward
 
 EPS = 1e-10  # the default floor of a group's absolute maximum (docs/CONTRACT.md §1)
 
@@ -26,6 +27,7 @@ class LinearOptions:
   row_alignment: int | None = None
   config: Any = None
   interpret: bool | None = None
+  backward: str = "fp8"         # the gradient's mode (jaxfp8.linear.backward)
 
   def __post_init__(self):
     if self.implementation is not None and self.implementation not in gemm.IMPLEMENTATIONS:
@@ -40,6 +42,8 @@ class LinearOptions:
       raise TypeError(f"config must be a GEMM kernel config (TritonGemmConfig or MosaicGemmConfig), "
                       f"got {type(self.config).__name__}")
     object.__setattr__(self, "interpret", _checks.interpret(self.interpret))
+    if self.backward not in backward.BACKWARDS:
+      raise ValueError(f"backward must be one of {backward.BACKWARDS}, got {self.backward!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,7 @@ class LinearPlan:
   row_reason: str
   quant: quant.QuantPlan
   gemm: gemm.GemmPlan
+  options: LinearOptions = LinearOptions()
 
   @property
   def implementation(self) -> str:
@@ -148,12 +153,21 @@ def plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, x_dtype
                     scale_layout="col" if column_major else "row", scale_tma_aligned=column_major),
       implementation=quant_implementation, interpret=interpret, device=device, reason=quant_reason,
       option="quant_implementation")
-  return LinearPlan(m, n, k, tuple(block_size), out_dtype.name, alignment, row_reason, quant_plan, gemm_plan)
+  return LinearPlan(m, n, k, tuple(block_size), out_dtype.name, alignment, row_reason, quant_plan, gemm_plan, options)
 
 
-def apply(x, w_q, w_s, bias, plan: LinearPlan):
-  """Quantize (into the GEMM's buffers, padded by the quantizer itself), GEMM, (..., N). Traceable; checks nothing."""
+def forward(x, w_q, w_s, bias, plan: LinearPlan):
+  """Quantize (into the GEMM's buffers, padded by the quantizer itself), GEMM, (..., N). Traceable; checks nothing.
+  Under `jax.vmap` each op folds the mapped axis into its rows (`quant.transformable`, `gemm.transformable`)."""
   lead = tuple(x.shape[:-1])
-  q, s = quant.run(jnp.reshape(x, (1, math.prod(lead), x.shape[-1])), None, plan=plan.quant)
-  out = gemm.run(q[0], w_q, s[0], w_s, bias, plan=plan.gemm)
+  q, s = quant.transformable(plan.quant, None, masked=False)(
+      jnp.reshape(x, (1, math.prod(lead), x.shape[-1])), None)
+  args = (q, w_q, s, w_s) + (() if bias is None else (bias,))
+  out = gemm.transformable(plan.gemm, plan.options.config, has_bias=bias is not None)(*args)
   return out.reshape(*lead, plan.n)
+
+
+def apply(x, w_q, w_s, bias, plan: LinearPlan, w_q_t=None):
+  """`forward` with the linear's gradient (`backward`): what a traced call of the linear runs."""
+  static = (tuple(x.shape), jnp.dtype(x.dtype), None if bias is None else jnp.dtype(bias.dtype))
+  return backward.linear(x, w_q, w_s, bias, w_q_t, plan, forward, static)

@@ -8,11 +8,13 @@ Layout: `api` (validation, the public functions), `planner` (`plan`, the one pla
 module per backend (`xla`, `triton`, `mosaic`) that says what it can run and owns its config heuristic.
 """
 
-from jaxfp8.quant.api import INPUT_DTYPES, per_token_group_quant_fp8, per_token_group_quant_fp8_row_padded
+from jaxfp8.quant.api import (INPUT_DTYPES, per_token_group_quant_fp8, per_token_group_quant_fp8_row_padded,
+                              transformable)
 from jaxfp8.quant.planner import (IMPLEMENTATIONS, MOSAIC_MIN_ELEMENTS, SCALE_LAYOUTS, QuantPlan, QuantProblem, plan,
                                problem, run)
 
 __all__ = [
-    "per_token_group_quant_fp8", "per_token_group_quant_fp8_row_padded", "plan", "problem", "run", "QuantPlan",
+    "per_token_group_quant_fp8", "per_token_group_quant_fp8_row_padded", "plan", "problem", "run", "transformable",
+    "QuantPlan",
     "QuantProblem", "IMPLEMENTATIONS", "INPUT_DTYPES", "MOSAIC_MIN_ELEMENTS", "SCALE_LAYOUTS",
 ]

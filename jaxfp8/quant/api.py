@@ -8,12 +8,14 @@ sm >= 8.9) and "xla" (jnp, any platform).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxfp8 import _checks
+from jaxfp8 import _transforms as transforms
 from jaxfp8.quant import planner
 
 INPUT_DTYPES = _checks.FLOAT_DTYPES
@@ -103,7 +105,47 @@ def per_token_group_quant_fp8(
       scale_layout=scale_layout, scale_tma_aligned=scale_tma_aligned, scale_ue8m0=scale_ue8m0,
       fuse_silu_and_mul=fuse_silu_and_mul)
   plan = planner.plan(p, implementation=implementation, config=config, interpret=interpret)
-  return _quantize(x3, masked_m, plan=plan)
+  return transformable(plan, config, masked=masked_m is not None)(x3, masked_m)
+
+
+_NO_DERIVATIVE = ("its outputs are fp8 codes and their scales. Differentiate through jaxfp8.w8a8_block_fp8_linear, "
+                  "whose backward is defined (docs/CONTRACT.md §6)")
+
+
+def transformable(plan: planner.QuantPlan, config, *, masked: bool):
+  """The quantization of `plan` as a function of (x3, masked_m) that JAX's transforms treat the same on every
+  implementation: no derivative, and `jax.vmap` folded into the batch axis the kernels already take."""
+  def run(x3, masked_m):
+    return _quantize(x3, masked_m, plan=plan)
+
+  def vmap_rule(axis_size, in_batched, x3, masked_m):
+    x_batched, masked_batched = in_batched
+    if not x_batched:
+      x3 = jnp.broadcast_to(x3, (axis_size, *x3.shape))
+    batch = plan.problem.batch
+    folded_x = x3.reshape(axis_size * batch, *x3.shape[2:])
+    folded_m = None
+    if masked_m is not None:
+      m = masked_m if masked_batched else jnp.broadcast_to(masked_m, (axis_size, batch))
+      folded_m = m.reshape(axis_size * batch)
+    folded_plan = planner.plan(
+        dataclasses.replace(plan.problem, batch=axis_size * batch), implementation=plan.implementation,
+        config=config, interpret=plan.interpret, reason=plan.reason)
+    q, s = planner.run(folded_x, folded_m, plan=folded_plan)
+    if masked_m is not None:
+      q, s = q.reshape(axis_size, batch, *q.shape[1:]), s.reshape(axis_size, batch, *s.shape[1:])
+    return (q, s), (True, True)
+
+  if not masked:  # x3 has a unit batch axis, which vmap's axis replaces
+    return lambda x3, masked_m: _transformable_unmasked(run, vmap_rule)(x3)
+  return transforms.not_differentiable(transforms.batched(run, vmap_rule), "jaxfp8.per_token_group_quant_fp8",
+                                       _NO_DERIVATIVE)
+
+
+def _transformable_unmasked(run, vmap_rule):
+  return transforms.not_differentiable(
+      transforms.batched(lambda x3: run(x3, None), lambda n, b, x3: vmap_rule(n, (b[0], False), x3, None)),
+      "jaxfp8.per_token_group_quant_fp8", _NO_DERIVATIVE)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))

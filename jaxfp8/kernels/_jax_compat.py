@@ -1,0 +1,19 @@
+"""What the kernels need of JAX that changes between releases, in one place (the kernels import nothing else of the
+library). Each function says which JAX behaviour it answers."""
+
+from __future__ import annotations
+
+import jax
+
+
+def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+  """The output type of a Pallas-Triton call on `operands`, varying over the manual mesh axes they vary over.
+
+  Inside `jax.shard_map` with check_vma=True, JAX 0.11 refuses a Pallas-Triton output whose ShapeDtypeStruct has no
+  manual axis type, even an empty one (the Mosaic GPU kernels derive theirs); outside shard_map it is empty.
+  """
+  mats = [m for m in (getattr(jax.typeof(o), "mat", None) for o in operands if o is not None) if m is not None]
+  if not mats:  # a JAX without manual axis types on its avals
+    return jax.ShapeDtypeStruct(shape, dtype)
+  varying = frozenset().union(*(m.varying for m in mats))
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mats[0])(varying=varying))

@@ -1,0 +1,115 @@
+"""The linear's gradient (docs/CONTRACT.md §6): dx through frozen block-FP8 weights.
+
+    y = quantize(x) @ W^T + bias,   W = dequantize(w_q, w_s) (N, K)
+    dx = dy @ W,   dbias = sum over rows of dy (float32),   d(w_q) = d(w_s) = 0 (the weights are frozen)
+
+Two modes (`backward=`):
+  "fp8"  (default; DeepSeek-V3's recipe): dy is quantized per 1 x gn group along N and multiplied by W^T on the same
+         block-FP8 GEMM as the forward, which is itself a linear: x' = dy (M, N), weight W^T (K, N) whose block
+         scales are exactly w_s^T with block size (gk, gn), so nothing is requantized. The tensor cores need W^T
+         K-major, i.e. the transposed codes `w_q_t` (K, N): pass them (`Fp8LinearWeight.with_transpose`,
+         `Fp8Linear(..., backward="fp8")` builds them once) or the backward transposes w_q every step.
+  "bf16" dy against the dequantized weight in bfloat16 (float32 when dy is not bf16), float32 accumulation: exact to
+         the GEMM's tolerance, slower.
+The derivative of the derivative is refused (`_transforms.TransformError`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxfp8 import _checks
+from jaxfp8 import _transforms as transforms
+from jaxfp8.gemm.xla import fp8_values
+
+BACKWARDS = ("fp8", "bf16")
+
+
+def dequantized(w_q, w_s, block_size, dtype) -> jax.Array:
+  """W (N, K) = w_q * w_s per (gn, gk) block, in `dtype` (products exact in float32)."""
+  n, k = w_q.shape
+  gn, gk = block_size
+  s = jnp.repeat(jnp.repeat(w_s, gn, axis=0, total_repeat_length=n), gk, axis=1, total_repeat_length=k)
+  return (fp8_values(w_q) * s).astype(dtype)
+
+
+def transposed_codes(w_q, block_size) -> jax.Array:
+  """W^T's codes (K, N_pad), N padded with zero codes to whole gn groups (the fp8 backward's activation groups)."""
+  n = w_q.shape[0]
+  return jnp.pad(w_q, ((0, _checks.round_up(n, block_size[0]) - n), (0, 0))).T
+
+
+def _bf16_dx(dy2, w_q, w_s, block_size):
+  compute = jnp.bfloat16 if dy2.dtype == jnp.bfloat16 else jnp.float32
+  w = dequantized(w_q, w_s, block_size, compute)
+  return lax.dot(dy2.astype(compute), w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype):
+  """dy2 (M, N) @ W through the block-FP8 linear: dy as the activations, W^T as the weight."""
+  from jaxfp8.linear import planner  # the backward's own plan is a linear's plan
+  gn, gk = block_size
+  n, k = w_q.shape
+  n_pad = _checks.round_up(n, gn)
+  if w_q_t is None:
+    w_q_t = transposed_codes(w_q, block_size)
+  if n_pad != n:  # zero columns of dy meet the zero codes padded into W^T: nothing added
+    dy2 = jnp.pad(dy2, ((0, 0), (0, n_pad - n)))
+  backward_options = planner.LinearOptions(
+      implementation=options.implementation, quant_implementation=options.quant_implementation,
+      interpret=options.interpret)
+  plan = planner.plan(dy2.shape[0], k, n_pad, (gk, gn), out_dtype, dy2.dtype, backward_options)
+  return planner.forward(dy2, w_q_t, w_s.T, None, plan)
+
+
+def _dx(dy, x_shape, x_dtype, w_q, w_s, w_q_t, block_size, options, mode):
+  dy2 = dy.reshape(-1, dy.shape[-1])
+  if mode == "bf16":
+    dx = _bf16_dx(dy2, w_q, w_s, block_size)
+  else:
+    dx = _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, x_dtype)
+  return dx.astype(x_dtype).reshape(x_shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def linear(x, w_q, w_s, bias, w_q_t, plan, forward, static):
+  """`forward(x, w_q, w_s, bias, plan)` with the backward above; `static` = (x's shape, x's dtype, bias dtype)."""
+  del w_q_t, static
+  return forward(x, w_q, w_s, bias, plan)
+
+
+_SECOND_ORDER = ("jaxfp8.w8a8_block_fp8_linear's gradient",
+                 "higher-order derivatives of the FP8 linear are not supported (its forward and backward quantize)")
+
+
+def _linear_fwd(x, w_q, w_s, bias, w_q_t, plan, forward, static):
+  del static
+  # Differentiated only when a derivative of the gradient is asked for: refused with that reason.
+  y = transforms.not_differentiable(lambda *args: forward(*args, plan), *_SECOND_ORDER)(x, w_q, w_s, bias)
+  return y, (w_q, w_s, w_q_t)
+
+
+def _linear_bwd(plan, forward, static, residuals, dy):
+  del forward
+  x_shape, x_dtype, bias_dtype = static
+  w_q, w_s, w_q_t = residuals
+  mode = plan.options.backward
+
+  def grads(dy):
+    dx = _dx(dy, x_shape, x_dtype, w_q, w_s, w_q_t, plan.block_size, plan.options, mode)
+    dbias = None
+    if bias_dtype is not None:
+      dbias = jnp.sum(dy.reshape(-1, dy.shape[-1]).astype(jnp.float32), axis=0).astype(bias_dtype)
+    return dx, dbias
+
+  grads = transforms.not_differentiable(grads, *_SECOND_ORDER)
+  dx, dbias = grads(dy)
+  # The FP8 weights are frozen: zero cotangents for w_q, w_s and w_q_t.
+  return dx, None, None, dbias, None
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
