@@ -72,7 +72,11 @@ class Fp8Linear(nnx.Module):
       param_dtype (`jnp.result_type`), nnx.Linear's rule (bf16 x with float32 parameters gives float32).
     param_dtype: the dtype of the float parameters the layer stands for: of the kernel drawn by kernel_init and the
       bias of a fresh layer, and in the dtype rule above (`from_linear` takes the nnx.Linear's).
-    implementation, quant_implementation, interpret: as in `jaxfp8.w8a8_block_fp8_linear`.
+    implementation, quant_implementation, interpret, backward: as in `jaxfp8.w8a8_block_fp8_linear` (backward: the
+      gradient's mode, docs/CONTRACT.md §6; the FP8 weights themselves are frozen and get no gradient).
+    transposed_weight: hold W^T's codes (K, round_up(N, gn)) as well, built once here, which the "fp8" backward
+      multiplies by (else it transposes w_q every step). For training through the layer (e.g. a LoRA adapter beside
+      it); it costs the weight's codes once more in memory. Not used by the tensor-parallel modes.
     parallel: None, "column" (N split over mesh axis `axis_name`) or "row" (K split, outputs summed).
     mesh, axis_name: the mesh and its tensor-parallel axis, for `parallel`.
     kernel_init, bias_init: initializers of a fresh layer (kernel drawn as (K, N) float, then quantized).
@@ -92,6 +96,8 @@ class Fp8Linear(nnx.Module):
       implementation: str | None = None,
       quant_implementation: str | None = None,
       interpret: bool | None = None,
+      backward: str = "fp8",
+      transposed_weight: bool = False,
       parallel: str | None = None,
       mesh: jax.sharding.Mesh | None = None,
       axis_name: str | None = None,
@@ -124,6 +130,9 @@ class Fp8Linear(nnx.Module):
     self.implementation = implementation
     self.quant_implementation = quant_implementation
     self.interpret = interpret
+    if backward not in linear.backward.BACKWARDS:
+      raise ValueError(f"backward must be one of {linear.backward.BACKWARDS}, got {backward!r}")
+    self.backward = backward
     self.parallel = parallel
     self.mesh = mesh
     self.axis_name = axis_name
@@ -145,6 +154,8 @@ class Fp8Linear(nnx.Module):
     self.w_q = Fp8Weight(w_q)
     self.w_s = Fp8Weight(w_s)
     self.bias = nnx.Param(bias) if use_bias else None
+    transposed_weight = _checks.flag("transposed_weight", transposed_weight)
+    self.w_q_t = Fp8Weight(linear.backward.transposed_codes(jnp.asarray(w_q), (gn, gk))) if transposed_weight else None
 
   @classmethod
   def from_weights(cls, w_q, w_s, bias=None, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
@@ -210,12 +221,13 @@ class Fp8Linear(nnx.Module):
     # docs/CONTRACT.md), so only the output dtype changes.
     args = (x, self.w_q[...], self.w_s[...], self.block_size, None if self.bias is None else self.bias[...])
     options = dict(out_dtype=dtype, implementation=self.implementation,
-                   quant_implementation=self.quant_implementation, interpret=self.interpret)
+                   quant_implementation=self.quant_implementation, interpret=self.interpret, backward=self.backward)
     if self.parallel == "column":
       return linear.column_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
     if self.parallel == "row":
       return linear.row_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
-    return linear.w8a8_block_fp8_linear(*args, **options)
+    w_q_t = None if self.w_q_t is None else self.w_q_t[...]
+    return linear.w8a8_block_fp8_linear(*args, w_q_t=w_q_t, **options)
 
 
 def is_router(path: tuple) -> bool:

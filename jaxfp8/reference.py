@@ -1,4 +1,4 @@
-"""The float64 / ml_dtypes NumPy oracle for everything in SPEC.md.
+"""The float64 / ml_dtypes NumPy oracle for everything in docs/CONTRACT.md.
 
 Every test compares against these functions. They import no kernel and no JAX: they are the contract
 written as plain NumPy, slow and obvious. Inputs may be NumPy or JAX arrays (anything `np.asarray` takes).
@@ -43,7 +43,7 @@ def cast_to_fp8(v: np.ndarray) -> np.ndarray:
 
 
 def silu_and_mul(x: np.ndarray) -> np.ndarray:
-  """SPEC 1: v = cast_x(cast_x(silu(f32(gate))) * f32(up)) on the last axis halves, in float32 like the kernels."""
+  """docs/CONTRACT.md §1: v = cast_x(cast_x(silu(f32(gate))) * f32(up)) on the last axis halves, in float32 like the kernels."""
   x = np.asarray(x)
   h = x.shape[-1] // 2
   gate = x[..., :h].astype(np.float32)
@@ -81,7 +81,7 @@ def per_token_group_quant_fp8(
     fuse_silu_and_mul: bool = False,
     masked_m=None,
 ):
-  """SPEC 1 on NumPy. Returns (q, s) with exactly the shapes and layouts of `jaxfp8.per_token_group_quant_fp8`.
+  """docs/CONTRACT.md §1 on NumPy. Returns (q, s) with exactly the shapes and layouts of `jaxfp8.per_token_group_quant_fp8`.
 
   Without masked_m: x (..., K) is flattened to (M, K); q is (M_pad, K) and s is (M_pad, K/G) row-major,
   (K/G, M_pad') column-major, or (ceil(K/G/4), M_pad') int32 packed.
@@ -132,7 +132,7 @@ def per_token_group_quant_fp8(
 
 
 def block_fp8_matmul(a_q, b_q, a_s, b_s, block_size, *, a_s_column_major: bool = False, bias=None) -> np.ndarray:
-  """SPEC 2 in float64: C[m, n] = bias[n] + sum_g a_s[m, g] * b_s[n // gn, g] * (A_g @ B_g^T)[m, n].
+  """docs/CONTRACT.md §2 in float64: C[m, n] = bias[n] + sum_g a_s[m, g] * b_s[n // gn, g] * (A_g @ B_g^T)[m, n].
 
   Returns the float64 result before the output cast; `cast_output` applies it.
   """
@@ -160,12 +160,12 @@ def block_fp8_matmul(a_q, b_q, a_s, b_s, block_size, *, a_s_column_major: bool =
 
 
 def cast_output(c: np.ndarray, out_dtype) -> np.ndarray:
-  """The final cast of SPEC 2: float64 -> float32 -> out_dtype (what an f32 accumulator then a cast gives)."""
+  """The final cast of docs/CONTRACT.md §2: float64 -> float32 -> out_dtype (what an f32 accumulator then a cast gives)."""
   return np.asarray(c, np.float64).astype(np.float32).astype(np.dtype(out_dtype))
 
 
 def quantize_weight_blockwise(w, block_size=(128, 128), *, eps: float = 1e-10):
-  """SPEC 4: per (gn, gk) block, s = max(amax, eps) * R, q = e4m3fn(clip(w / s)). Partial edge blocks use their valid elements."""
+  """docs/CONTRACT.md §4: per (gn, gk) block, s = max(amax, eps) * R, q = e4m3fn(clip(w / s)). Partial edge blocks use their valid elements."""
   w = np.asarray(w).astype(np.float32)
   n, k = w.shape
   gn, gk = block_size
@@ -191,7 +191,7 @@ def dequantize_weight_blockwise(w_q, w_s, block_size=(128, 128)) -> np.ndarray:
 
 
 def w8a8_block_fp8_linear(x, w_q, w_s, block_size, bias=None, *, eps: float = 1e-10) -> np.ndarray:
-  """SPEC 3: quantize x per token group (G = gk), block GEMM, float64 result of shape (..., N) before the cast to x.dtype."""
+  """docs/CONTRACT.md §3: quantize x per token group (G = gk), block GEMM, float64 result of shape (..., N) before the cast to x.dtype."""
   x = np.asarray(x)
   lead = x.shape[:-1]
   k = x.shape[-1]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfp8 import _checks
+from jaxfp8 import _transforms as transforms
 from jaxfp8.gemm.xla import fp8_values
 from jaxfp8.kernels import exact_division as _exact_division
 
@@ -88,7 +89,11 @@ def quantize_weight_blockwise(w, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZ
   """
   _check_weight(w)
   gn, gk = _checks.block_size(block_size)
-  return _quantize_weight(jnp.asarray(w), block_size=(gn, gk), eps=_checks.eps(eps))
+  eps = _checks.eps(eps)
+  quantize = transforms.not_differentiable(
+      lambda w: _quantize_weight(w, block_size=(gn, gk), eps=eps), "jaxfp8.quantize_weight_blockwise",
+      "its outputs are fp8 codes and their block scales (the FP8 weights are frozen, docs/CONTRACT.md §6)")
+  return quantize(jnp.asarray(w))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "eps"))

@@ -1,4 +1,4 @@
-"""SPEC extremes: quantization of NaN, +-Inf, 1e-30, 1e30, subnormals and all-zero groups by every implementation
+"""docs/CONTRACT.md extremes: quantization of NaN, +-Inf, 1e-30, 1e30, subnormals and all-zero groups by every implementation
 (exact scales, codes as the reference), and block GEMMs at +-448 with large K whose true result is finite but large
 (the float32 accumulation must not overflow). On CPU the Pallas kernels are interpreted on small shapes; the
 GPU-marked tests run the kernels natively at real sizes."""
@@ -13,7 +13,7 @@ import helpers
 
 import jaxfp8
 from jaxfp8 import _platform, reference as ref
-from quant_checks import assert_matches_reference
+from helpers import assert_matches_reference
 
 ON_GPU = _platform.gpu_compute_capability() is not None
 IMPLEMENTATIONS = ("xla", "triton", "mosaic")
@@ -61,9 +61,9 @@ def test_quant_extremes(implementation, dtype, rng):
       continue  # interpreted Mosaic is slow: the eps floor is covered by the other implementations
     q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), G, implementation=implementation, **options)
     ref_q, ref_s = ref.per_token_group_quant_fp8(x, G, **options)
-    assert_matches_reference(q, s, ref_q, ref_s, exact_codes=options.get("scale_ue8m0", False),
+    assert_matches_reference(q, s, ref_q, ref_s, exact_codes=helpers.exact_codes(implementation, ue8m0=options.get("scale_ue8m0", False)),
                              context=f"{implementation} {np.dtype(dtype).name} {options}")
-    # SPEC 1: a group that held a NaN has a NaN scale, never a finite one.
+    # docs/CONTRACT.md §1: a group that held a NaN has a NaN scale, never a finite one.
     if not options.get("pack_ue8m0"):
       s_rows = np.asarray(s).T if options.get("column_major_scales") else np.asarray(s)
       nan_groups = np.isnan(x.astype(np.float32).reshape(rows, -1, G)).any(-1)
@@ -141,5 +141,5 @@ def test_gpu_quant_extremes_real_sizes(implementation, rng):
   for options in OPTIONS:
     q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), G, implementation=implementation, **options)
     ref_q, ref_s = ref.per_token_group_quant_fp8(x, G, **options)
-    assert_matches_reference(q, s, ref_q, ref_s, exact_codes=options.get("scale_ue8m0", False),
+    assert_matches_reference(q, s, ref_q, ref_s, exact_codes=helpers.exact_codes(implementation, ue8m0=options.get("scale_ue8m0", False)),
                              context=f"{implementation} {options}")

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import jaxfp8
-from jaxfp8 import _platform, reference as ref
-from quant_checks import INPUT_DTYPES, assert_matches_reference, random_activations
+from jaxfp8 import _checks, _platform, linear, reference as ref
+from helpers import INPUT_DTYPES, assert_matches_reference, random_activations
 
 settings.register_profile(
     "ci", max_examples=10, deadline=None, derandomize=False, print_blob=True,
@@ -54,7 +54,7 @@ def _examples(ci: int, gpu: int):
 seeds = st.integers(0, 2**32 - 1)
 dtype_names = st.sampled_from(sorted(INPUT_DTYPES))
 out_dtypes = st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16])
-# SPEC 2 tolerances (fp16 output held to the bf16 bound).
+# docs/CONTRACT.md §2 tolerances (fp16 output held to the bf16 bound).
 GEMM_TOLERANCE = {jnp.dtype(jnp.float32): 2e-4, jnp.dtype(jnp.bfloat16): 5e-3, jnp.dtype(jnp.float16): 5e-3}
 
 
@@ -92,7 +92,7 @@ def _fused_activations(rng, shape, dtype):
   exp(-gate) < 2^-24 makes 1 + exp(-gate) round to 1 in float32, so silu(gate) == gate whatever exp() returns.
 
   Here the fused path's plumbing (halves, casts, layouts, padding) is held to the exact reference; how closely each
-  kernel's exp() follows the SiLU curve is SPEC's one-step bound, checked in tests/test_quant.py on ordinary inputs
+  kernel's exp() follows the SiLU curve is the contract's one-step bound, checked in tests/test_quant.py on ordinary inputs
   (on the GPU, exp() differs from NumPy's by an ulp, which moves scales by ulps and, rarely, UE8M0 scales by 2x).
   """
   half = shape[-1] // 2
@@ -109,9 +109,9 @@ def _check_quant(x, group_size, implementation, options, *, masked_m=None):
       jnp.asarray(x), group_size, implementation=implementation,
       **{**kwargs, **({"masked_m": jnp.asarray(masked_m)} if masked_m is not None else {})})
   ref_q, ref_s = ref.per_token_group_quant_fp8(x, group_size, **kwargs)
-  # Division by a power of two is exact: UE8M0 codes must match exactly (SPEC 1). Fused inputs come from
+  # Division by a power of two is exact: UE8M0 codes must match exactly (docs/CONTRACT.md §1). Fused inputs come from
   # _fused_activations, whose v is exact everywhere, so they are held to the same standard.
-  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=options.get("scale_ue8m0", False),
+  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=helpers.exact_codes(implementation, ue8m0=options.get("scale_ue8m0", False)),
                            context=f"{implementation} x{x.shape} {x.dtype} G={group_size} {options}")
 
 
@@ -157,14 +157,14 @@ def test_quant_masked_m(seed, implementation, experts, tokens, dtype, options):
   helpers.runnable(implementation)
   rng = np.random.default_rng(seed)
   x = random_activations(rng, (experts, tokens, 128), INPUT_DTYPES[dtype])
-  masked_m = rng.integers(-1, tokens + 2, experts).astype(np.int32)  # out-of-range counts are clipped (SPEC 1)
+  masked_m = rng.integers(-1, tokens + 2, experts).astype(np.int32)  # out-of-range counts are clipped (docs/CONTRACT.md §1)
   _check_quant(x, 64, implementation, options, masked_m=masked_m)
 
 
 # ---- block GEMM ----------------------------------------------------------------------------------------------------
 
 def _assert_within_spec(out, exact, bias, tolerance: float, context: str) -> None:
-  """SPEC 2: relative Frobenius error vs the float64 reference (`exact`, not rounded to the output dtype: rounding the
+  """docs/CONTRACT.md §2: relative Frobenius error vs the float64 reference (`exact`, not rounded to the output dtype: rounding the
   reference too would turn a kernel error of 1e-4 near a bf16 rounding midpoint into a whole bf16 step, up to 7.8e-3).
   The error is the GEMM's, so it is measured against the product's size, which a bias of the opposite sign can cancel
   in the output (on the H200, fast FP8 accumulation of a K=128 dot left 1.1% of an output 0.088 = 0.756 - 0.668 at
@@ -257,3 +257,87 @@ def test_linear(seed, lead, n, groups, block_size, dtype, with_bias, implementat
   exact = ref.w8a8_block_fp8_linear(x, w_q, w_s, block_size, bias)
   _assert_within_spec(out, exact, bias, GEMM_TOLERANCE[jnp.dtype(x.dtype)],
                       f"{implementation} lead={lead} N={n} K={k} block={block_size} {dtype} bias={with_bias}")
+
+
+# ---- the edges (docs/CONTRACT.md §1, §2, §4; tests/test_edges.py has one case of each) -----------------------------
+
+MAGNITUDE_EXPONENTS = {"f32": (-120, 120), "bf16": (-120, 120), "f16": (-24, 15)}  # 2^-24: float16's subnormal floor
+
+
+@_examples(ci=12, gpu=150)
+@given(seed=seeds, data=st.data(), dtype=dtype_names, group_size=st.sampled_from([32, 128]),
+       implementation=st.sampled_from(["xla", "triton", "mosaic"]),
+       eps=st.sampled_from([_checks.MIN_EPS, 1e-30, 1e-10, 1.0, 1e30]), ue8m0=st.booleans())
+def test_quant_magnitudes_across_the_dtype_range(seed, data, dtype, group_size, implementation, eps, ue8m0):
+  """Rows scaled by 2^e across the input dtype's whole range (float16 subnormals included) under extreme eps: codes
+  and scales as the reference's."""
+  helpers.runnable(implementation)
+  rng = np.random.default_rng(seed)
+  m = data.draw(st.integers(1, 64 if (NATIVE or implementation == "xla") else 4), label="m")
+  lo, hi = MAGNITUDE_EXPONENTS[dtype]
+  exponents = rng.integers(lo, hi, (m, 1)).astype(np.float64)
+  x = (rng.standard_normal((m, 2 * group_size)) * np.exp2(exponents)).astype(np.float32).astype(INPUT_DTYPES[dtype])
+  options = dict(eps=eps, scale_ue8m0=ue8m0, column_major_scales=True)
+  _check_quant(x, group_size, implementation, options)
+
+
+@_examples(ci=10, gpu=100)
+@given(seed=seeds, data=st.data(), implementation=st.sampled_from(["xla", "triton", "mosaic"]),
+       out_dtype=out_dtypes, with_bias=st.booleans())
+def test_gemm_caller_scales_across_the_float32_range(seed, data, implementation, out_dtype, with_bias):
+  """Caller-given scales anywhere in float32's range whose products stay ordinary (a_s ~ 2^e, b_s ~ 2^-e): every
+  implementation finite and within the GEMM's tolerance."""
+  helpers.runnable(implementation)
+  rng = np.random.default_rng(seed)
+  small = not (NATIVE or implementation == "xla")
+  m = data.draw(st.integers(1, 8 if small else 64), label="m")
+  n = 128 * data.draw(st.integers(1, 1 if small else 4), label="n / 128")
+  k = 128 * data.draw(st.integers(1, 2 if small else 8), label="k / 128")
+  e = data.draw(st.integers(-115, 115), label="e")
+  # Codes and scale spreads small enough that the exact result fits float16 (its limit is 65504).
+  a_q = np.clip(rng.standard_normal((m, k)) * 8, -448, 448).astype(ref.FP8)
+  b_q = np.clip(rng.standard_normal((n, k)) * 8, -448, 448).astype(ref.FP8)
+  a_s = np.exp2(e + rng.uniform(-1, 1, (m, k // 128))).astype(np.float32)
+  b_s = np.exp2(-e + rng.uniform(-1, 1, (n // 128, k // 128))).astype(np.float32)
+  bias = (rng.standard_normal(n) * 10).astype(np.float32) if with_bias else None
+  out = np.asarray(jaxfp8.w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), out_dtype=out_dtype, bias=bias,
+                                                implementation=implementation))
+  assert np.isfinite(out.astype(np.float32)).all(), f"{implementation} e={e}: non-finite output"
+  _assert_within_spec(out, ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), bias=bias), bias,
+                      GEMM_TOLERANCE[jnp.dtype(out_dtype)], f"{implementation} e={e}")
+
+
+@_examples(ci=25, gpu=50)
+@given(shape=st.lists(st.integers(0, 9), min_size=1, max_size=4), axis=st.integers(-6, 5))
+def test_pad_to_bucket_axis(shape, axis):
+  """Any axis in [-ndim, ndim) pads that axis to its bucket; any other is refused, naming it."""
+  x = np.ones(shape, np.float32)
+  if not -len(shape) <= axis < len(shape):
+    with pytest.raises(ValueError, match=f"axis must be an int in \\[-{len(shape)}, {len(shape)}\\)"):
+      linear.pad_to_bucket(x, axis=axis)
+    return
+  out, size = linear.pad_to_bucket(x, axis=axis)
+  assert size == shape[axis]
+  expected = list(shape)
+  expected[axis] = max(linear.get_row_buckets().bucket(shape[axis]), shape[axis])
+  assert list(out.shape) == expected and (np.asarray(out).sum() == x.sum())
+
+
+@_examples(ci=6, gpu=20)
+@given(seed=seeds, n=st.integers(1, 300), k=st.integers(1, 300), extra_tensors=st.integers(0, 3))
+def test_checkpoint_rewritten_in_place_is_read_afresh(tmp_path_factory, seed, n, k, extra_tensors):
+  """A checkpoint file rewritten with other contents (other offsets) and its old mtime put back (cp -p, rsync -t,
+  tar) reads as what is there now."""
+  pytest.importorskip("safetensors")
+  rng = np.random.default_rng(seed)
+  path = tmp_path_factory.mktemp("ckpt") / "model.safetensors"
+  first = ref.quantize_weight_blockwise(rng.standard_normal((n, k)).astype(np.float32))
+  jaxfp8.save_hf_fp8_linears(path, {"layer": jaxfp8.Fp8LinearWeight(*first)})
+  stat = path.stat()
+  second = ref.quantize_weight_blockwise(rng.standard_normal((n, k)).astype(np.float32) * 3)
+  extra = {f"extra{i}.codes": second[0][: i + 1] for i in range(extra_tensors)}
+  jaxfp8.save_hf_fp8_linears(path, {"layer": jaxfp8.Fp8LinearWeight(*second)}, extra=extra)
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  loaded = jaxfp8.load_hf_fp8_linears(path, as_numpy=True)["layer"]
+  np.testing.assert_array_equal(np.asarray(loaded.w_q).view(np.uint8), second[0].view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(loaded.w_s), second[1])

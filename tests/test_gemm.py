@@ -1,4 +1,4 @@
-"""Block-scaled FP8 GEMM (SPEC.md section 2): every implementation against the float64 reference.
+"""Block-scaled FP8 GEMM (docs/CONTRACT.md §2): every implementation against the float64 reference.
 
 On CPU the Triton kernel runs in interpret mode, where out-of-bounds reads come back as NaN and unwritten outputs stay
 NaN: a missing mask or an unwritten tile shows up as NaN in the result. GPU tests (full shapes.json sizes) are marked.
@@ -26,7 +26,7 @@ from jaxfp8.gemm import TritonGemmConfig, w8a8_block_fp8_matmul
 from jaxfp8.kernels import gemm_triton
 
 SHAPES = shapes.load()
-# SPEC.md tolerances (relative Frobenius error vs float64); fp16 output is held to the bf16 bound.
+# docs/CONTRACT.md §2 tolerances (relative Frobenius error vs float64); fp16 output is held to the bf16 bound.
 TOLERANCE = {jnp.dtype(jnp.float32): 2e-4, jnp.dtype(jnp.bfloat16): 5e-3, jnp.dtype(jnp.float16): 5e-3}
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
@@ -58,7 +58,7 @@ class Problem:
 def make_problem(rng, m, n, k, block_size, *, column_major=False, bias=False, exact=False) -> Problem:
   """Fresh inputs: fp8 codes from quantizing random normal data with the reference, random positive scales.
 
-  exact=True: the exactness check of SPEC.md (integer codes in [-4, 4], power-of-two scales in [1/4, 4]).
+  exact=True: the exactness check of docs/CONTRACT.md §2 (integer codes in [-4, 4], power-of-two scales in [1/4, 4]).
   """
   gn, gk = block_size
   groups, n_blocks = ref.ceil_div(k, gk), ref.ceil_div(n, gn)
@@ -178,7 +178,7 @@ EXACT_CONFIGS = [
 
 @pytest.mark.parametrize("implementation, config", [("xla", None)] + [("triton", c) for c in EXACT_CONFIGS])
 def test_exactness_check_is_bit_exact(rng, implementation, config):
-  # SPEC.md: integer codes in [-4, 4], power-of-two scales in [1/4, 4], K <= 2048 -> bit-exact float32 output.
+  # docs/CONTRACT.md §2: integer codes in [-4, 4], power-of-two scales in [1/4, 4], K <= 2048 -> bit-exact float32 output.
   problem = make_problem(rng, 13, 200, 2000, (64, 128), column_major=True, bias=True, exact=True)
   kwargs = dict(interpret=True, config=config) if implementation == "triton" else {}
   out = np.asarray(problem.call(out_dtype=F32, implementation=implementation, **kwargs))
@@ -516,7 +516,7 @@ def test_every_shipped_triton_config_lowers_for_h200(n, k, gn, gk, m):
 def test_triton_dots_chain_fp8_accumulation_unless_f32_out(monkeypatch, capsys, out_dtype):
   """bf16 output: every tt.dot of the kernel carries maxNumImpreciseAcc above its K (128); without it Triton adds each
   32-wide FP8 wgmma into f32 separately and the GEMM runs about 2x slower on an H200. f32 output keeps that precise mode
-  (no attribute): the tensor cores' own accumulation costs about 1.3e-4 of SPEC's 2e-4 there."""
+  (no attribute): the tensor cores' own accumulation costs about 1.3e-4 of the contract's 2e-4 there."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
   monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))

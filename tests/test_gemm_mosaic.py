@@ -1,6 +1,6 @@
 """The Mosaic GPU block-FP8 GEMM (pallas_kernels/gemm_mosaic.py).
 
-On CPU: every config kind runs in Mosaic GPU interpret mode against the float64 reference (SPEC 2 tolerances, the
+On CPU: every config kind runs in Mosaic GPU interpret mode against the float64 reference (docs/CONTRACT.md §2 tolerances, the
 exactness check, bias, scale arrays wider than M, partial tiles), and every config the heuristic can pick is lowered
 for CUDA at real model shapes (layout errors and shared-memory overflow fail here). Interpret mode fills fresh buffers
 with NaN, so an output element the kernel forgets to write shows up as NaN and fails the comparison.
@@ -108,7 +108,7 @@ COLUMN_KINDS: dict[str, tuple[MosaicGemmConfig, int, int, Any]] = {
 
 def _quantized_problem(rng, m: int, n: int, k: int, *, extra_scale_cols: int = 0, scale_pad_value=1.0,
                        decades: float = 2.0):
-  """Random activations and weights quantized as SPEC 1 and 4; group magnitudes vary over +-`decades` decades so
+  """Random activations and weights quantized as docs/CONTRACT.md §1 and 4; group magnitudes vary over +-`decades` decades so
   that a misapplied scale cannot hide."""
   x = rng.standard_normal((m, k)).astype(np.float32)
   x *= np.repeat(10.0 ** rng.uniform(-decades, decades, (m, k // 128)), 128, axis=1).astype(np.float32)
@@ -222,7 +222,7 @@ def test_exact_small_integers(rng, kind):
 
 
 def _check_exact_small_integers(rng, config, m, n, k, max_b_s_exponent=2):
-  """SPEC 2 exactness: integer fp8 in [-4, 4], power-of-two scales, K <= 2048 -> bit-exact fp32."""
+  """docs/CONTRACT.md §2 exactness: integer fp8 in [-4, 4], power-of-two scales, K <= 2048 -> bit-exact fp32."""
   a_q = rng.integers(-4, 5, (m, k)).astype(np.float32).astype(ref.FP8)
   b_q = rng.integers(-4, 5, (n, k)).astype(np.float32).astype(ref.FP8)
   a_s = (2.0 ** rng.integers(-2, 3, (k // 128, -(-m // 4) * 4))).astype(np.float32)
@@ -480,7 +480,7 @@ def test_heuristic_lowers_for_model_shapes():
 
 
 def _gpu_reference_f32(a_q, b_q, a_s_col, b_s, bias):
-  """f32 XLA computation of SPEC 2 on the GPU (full precision dots, one per K group): for whole-output checks."""
+  """f32 XLA computation of docs/CONTRACT.md §2 on the GPU (full precision dots, one per K group): for whole-output checks."""
   m, k = a_q.shape
   n = b_q.shape[0]
   groups = k // 128

@@ -30,7 +30,7 @@ ON_GPU = _platform.gpu_compute_capability() is not None
 
 
 def make_weight(rng, n: int, k: int, block_size=(128, 128)):
-  """(w_q, w_s) NumPy: random weights whose blocks differ in magnitude, quantized by the reference (SPEC 4)."""
+  """(w_q, w_s) NumPy: random weights whose blocks differ in magnitude, quantized by the reference (docs/CONTRACT.md §4)."""
   gn, gk = block_size
   w = rng.standard_normal((n, k)).astype(np.float32)
   factors = np.exp2(rng.uniform(-4, 4, (ref.ceil_div(n, gn), ref.ceil_div(k, gk))))

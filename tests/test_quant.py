@@ -1,4 +1,4 @@
-"""Per-token-group quantization: every implementation against the float64 reference (SPEC.md section 1).
+"""Per-token-group quantization: every implementation against the float64 reference (docs/CONTRACT.md §1).
 
 On CPU the Pallas kernels run in interpret mode; on a GPU (scripts/gpu_round.sh) the same tests run them for real.
 """
@@ -17,7 +17,7 @@ import helpers
 import jaxfp8
 from jaxfp8 import _platform
 from jaxfp8 import reference as ref
-from quant_checks import INPUT_DTYPES, assert_matches_reference, random_activations
+from helpers import INPUT_DTYPES, assert_matches_reference, random_activations
 
 IMPLEMENTATIONS = ["xla", "triton", "mosaic"]
 ON_GPU = _platform.gpu_compute_capability() is not None
@@ -27,9 +27,8 @@ ON_GPU = _platform.gpu_compute_capability() is not None
 def _quantize_and_compare(x, group_size, implementation, *, context="", scale_ulps=0, exact_codes=None, **options):
   q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), group_size, implementation=implementation, **options)
   ref_q, ref_s = ref.per_token_group_quant_fp8(x, group_size, **options)
-  # Division by a power of two is exact: UE8M0 codes must match exactly.
   if exact_codes is None:
-    exact_codes = options.get("scale_ue8m0", False)
+    exact_codes = helpers.exact_codes(implementation, ue8m0=options.get("scale_ue8m0", False))
   assert_matches_reference(q, s, ref_q, ref_s, exact_codes=exact_codes,
                            scale_ulps=scale_ulps, context=f"{implementation} {context} {options}")
   return q, s
@@ -94,9 +93,9 @@ def test_fused_silu_and_mul(implementation, dtype, rng):
   x = random_activations(rng, (9, 2 * 256), INPUT_DTYPES[dtype], spread=False) * 4
   # exp() is rounded differently by each math library, so the SiLU value v itself may differ by an ulp of its dtype
   # (rarely, after rounding to bf16/f16): its group's scale by an ulp or two, and a code by one step even with UE8M0
-  # scales. The quantization of a given v is exact (test_every_option); here the SPEC's one-step bound applies.
+  # scales. The quantization of a given v is exact (test_every_option); here the contract's one-step bound applies.
   _quantize_and_compare(x, 128, implementation, fuse_silu_and_mul=True, column_major_scales=True, row_alignment=4,
-                        scale_ulps=2)
+                        scale_ulps=2, exact_codes=False)
   _quantize_and_compare(x, 128, implementation, fuse_silu_and_mul=True, scale_ue8m0=True, pack_ue8m0=True,
                         scale_ulps=2, exact_codes=False)
 
@@ -111,7 +110,8 @@ def test_masked_m(implementation, rng):
     q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, masked_m=jnp.asarray(masked_m),
                                             implementation=implementation, **options)
     ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128, masked_m=masked_m, **options)
-    assert_matches_reference(q, s, ref_q, ref_s, exact_codes=options.get("scale_ue8m0", False),
+    exact = helpers.exact_codes(implementation, ue8m0=options.get("scale_ue8m0", False))
+    assert_matches_reference(q, s, ref_q, ref_s, exact_codes=exact,
                              context=f"{implementation} masked {options}")
 
 
@@ -133,17 +133,16 @@ def test_nan_and_inf_rows(implementation, rng):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_codes_are_exact_on_wide_data(implementation, rng):
-  """SPEC 1 allows one step on 1e-4 of the codes where a backend's division is approximate. The XLA code corrects
-  XLA's reciprocal rewrite and the Triton kernel its reciprocal multiply (FMA residual), so both are held to zero.
-  The Mosaic kernel's f32 division is not correctly rounded on the H200 (1 code of 1M one step off, 2026-11-29),
-  so it is held to the SPEC's bound until it gets the same correction."""
+  """The XLA code corrects XLA's reciprocal rewrite and the Triton kernel its reciprocal multiply (FMA residual), so
+  both are held to exact codes. The Mosaic kernel's hardware f32 division is not correctly rounded on the H200 (1 code
+  of 1M one step off), so natively it is held to docs/CONTRACT.md §1's bound for it."""
   helpers.runnable(implementation)
   if implementation != "xla" and not ON_GPU:
     pytest.skip("interpret mode divides through XLA on CPU, which rewrites x / s into x * (1 / s)")
   x = (rng.standard_normal((512, 2048)) * np.exp2(rng.integers(-30, 30, (512, 1)))).astype(np.float32)
   q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, implementation=implementation)
   ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128)
-  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=implementation != "mosaic", context=implementation)
+  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=helpers.exact_codes(implementation), context=implementation)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -164,7 +163,7 @@ def test_leading_batch_dims_are_flattened(rng):
   x = random_activations(rng, (2, 3, 5, 256), INPUT_DTYPES["bf16"])
   q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, implementation="xla")
   ref_q, ref_s = ref.per_token_group_quant_fp8(x.reshape(30, 256), 128)
-  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=False)
+  assert_matches_reference(q, s, ref_q, ref_s)
 
 
 def test_works_under_jit(rng):
@@ -173,7 +172,7 @@ def test_works_under_jit(rng):
   q, s = f(x)
   ref_q, ref_s = ref.per_token_group_quant_fp8(np.asarray(x * 2), 128, column_major_scales=True,
                                                scale_tma_aligned=True, row_alignment=4)
-  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=False)
+  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=helpers.exact_codes("triton"))
 
 
 def _problem(rows: int, k: int = 7168):
@@ -210,7 +209,7 @@ def test_config_selects_its_kernel(rng):
   x = random_activations(rng, (1024, 1024), INPUT_DTYPES["bf16"])
   q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, config=QuantTritonConfig(block_rows=8), interpret=True)
   ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128)
-  assert_matches_reference(q, s, ref_q, ref_s, exact_codes=False, context="triton config")
+  assert_matches_reference(q, s, ref_q, ref_s, context="triton config")
 
 
 # ---- errors: each names the argument and the value -------------------------------------------------------------

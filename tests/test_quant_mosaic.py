@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
+import helpers
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jaxfp8
@@ -24,7 +26,7 @@ from jaxfp8 import reference as ref
 from jaxfp8 import quant
 from jaxfp8.kernels import quant_mosaic as qm
 from jaxfp8.quant import mosaic as quant_mosaic_backend
-from quant_checks import INPUT_DTYPES, assert_matches_reference, random_activations
+from helpers import INPUT_DTYPES, assert_matches_reference, random_activations
 
 ON_GPU = _platform.gpu_compute_capability() is not None
 Config = qm.QuantMosaicConfig
@@ -81,7 +83,7 @@ def _check(x, valid, group_size, *, context="", **options):
     _assert_close_after_silu(q, s, q_ref, s_ref, x.dtype, packed=options.get("layout") == "col_packed",
                              context=context)
   else:
-    assert_matches_reference(q, s, q_ref, s_ref, exact_codes=options.get("ue8m0", False), context=context)
+    assert_matches_reference(q, s, q_ref, s_ref, exact_codes=helpers.exact_codes("mosaic", ue8m0=options.get("ue8m0", False)), context=context)
   return np.asarray(q), np.asarray(s)
 
 
@@ -141,7 +143,7 @@ def test_reference_padding_conventions_match(rng):
     q, s = _quantize(x, valid, 128, layout=layout, ue8m0=layout == "col_packed", out_rows=16, scale_cols=16)
     q_ref, s_ref = ref.per_token_group_quant_fp8(x, 128, masked_m=valid, row_alignment=8, scale_tma_aligned=True,
                                                  **options)
-    assert_matches_reference(q, s, q_ref, s_ref, exact_codes=layout == "col_packed", context=layout)
+    assert_matches_reference(q, s, q_ref, s_ref, exact_codes=helpers.exact_codes("mosaic", ue8m0=layout == "col_packed"), context=layout)
 
 
 @pytest.mark.parametrize("group_size", [16, 32, 48, 64, 96, 128, 256])
@@ -471,7 +473,7 @@ def test_gpu_real_sizes(experts, rows, k, valid, rng):
     for config in GPU_CONFIGS:
       _poison_memory(2 * experts * out_rows * k)
       q, s = _quantize(x, valid, 128, config=config, **options)
-      assert_matches_reference(q, s, q_ref, s_ref, exact_codes=options["ue8m0"],
+      assert_matches_reference(q, s, q_ref, s_ref, exact_codes=helpers.exact_codes("mosaic", ue8m0=options["ue8m0"]),
                                context=f"E={experts} T={rows} K={k} {options} {config}")
 
 

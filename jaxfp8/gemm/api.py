@@ -68,42 +68,11 @@ def w8a8_block_fp8_matmul(
 
   All arguments but the arrays are static: inside `jax.jit`, bind them with functools.partial or static_argnames.
   """
-  _checks.array("a_q", a_q, (FP8,))
-  _checks.array("b_q", b_q, (FP8,))
-  _checks.array("a_s", a_s, (jnp.dtype(jnp.float32),))
-  _checks.array("b_s", b_s, (jnp.dtype(jnp.float32),))
-  gn, gk = _checks.block_size(block_size)
-  block_size = (gn, gk)
-  a_s_column_major = _checks.flag("a_s_column_major", a_s_column_major)
+  block_size, a_s_column_major, out_dtype = _validate(
+      a_q, b_q, a_s, b_s, bias, block_size, a_s_column_major, out_dtype, out_rows)
   interpret = _checks.interpret(interpret)
-  out_dtype = _checks.float_dtype("out_dtype", out_dtype)
   m, k = a_q.shape
-  n, k_b = b_q.shape
-  if k_b != k:
-    raise ValueError(f"a_q (M, K) and b_q (N, K) must share K: a_q has shape {tuple(a_q.shape)}, "
-                     f"b_q has shape {tuple(b_q.shape)}")
-  groups = -(-k // gk)
-  n_blocks = -(-n // gn)
-  if a_s_column_major:
-    if a_s.shape[0] != groups or a_s.shape[1] < m:
-      raise ValueError(
-          f"column-major a_s must have shape (ceil(K/gk), M') = ({groups}, >= {m}) for K={k}, gk={gk}, M={m}; "
-          f"got {tuple(a_s.shape)}")
-  elif tuple(a_s.shape) != (m, groups):
-    hint = " (pass a_s_column_major=True for the (ceil(K/gk), M') layout)" if a_s.shape[0] == groups else ""
-    raise ValueError(
-        f"a_s must have shape (M, ceil(K/gk)) = ({m}, {groups}) for K={k}, gk={gk}; got {tuple(a_s.shape)}{hint}")
-  if tuple(b_s.shape) != (n_blocks, groups):
-    raise ValueError(
-        f"b_s must have shape (ceil(N/gn), ceil(K/gk)) = ({n_blocks}, {groups}) for N={n}, K={k}, "
-        f"block_size={block_size}; got {tuple(b_s.shape)}")
-  if bias is not None:
-    _checks.array("bias", bias, OUT_DTYPES, ndim=None)
-    if tuple(bias.shape) != (n,):
-      raise ValueError(f"bias must have shape (N,) = ({n},), got {tuple(bias.shape)}")
-  if out_rows is not None and (isinstance(out_rows, bool) or not isinstance(out_rows, numbers.Integral)
-                               or not 0 < out_rows <= m):
-    raise ValueError(f"out_rows must be an int in [1, M={m}] (the rows of a_q to compute), got {out_rows!r}")
+  n = b_q.shape[0]
   out_rows = None if out_rows is None or out_rows == m else int(out_rows)
 
   p = planner.problem(out_rows or m, n, k, block_size, rows=m, out_dtype=out_dtype, a_s_column_major=a_s_column_major,
@@ -144,6 +113,46 @@ def transformable(plan: planner.GemmPlan, config, *, has_bias: bool):
     return out.reshape(axis_size, p.rows, p.n)[:, :p.m], True
 
   return transforms.not_differentiable(transforms.batched(run, vmap_rule), _OP, _NO_DERIVATIVE)
+
+
+def _validate(a_q, b_q, a_s, b_s, bias, block_size, a_s_column_major, out_dtype, out_rows):
+  """Checks the arrays' dtypes and shapes against each other; returns (block_size, a_s_column_major, out_dtype)."""
+  _checks.array("a_q", a_q, (FP8,))
+  _checks.array("b_q", b_q, (FP8,))
+  _checks.array("a_s", a_s, (jnp.dtype(jnp.float32),))
+  _checks.array("b_s", b_s, (jnp.dtype(jnp.float32),))
+  gn, gk = _checks.block_size(block_size)
+  block_size = (gn, gk)
+  a_s_column_major = _checks.flag("a_s_column_major", a_s_column_major)
+  out_dtype = _checks.float_dtype("out_dtype", out_dtype)
+  m, k = a_q.shape
+  n, k_b = b_q.shape
+  if k_b != k:
+    raise ValueError(f"a_q (M, K) and b_q (N, K) must share K: a_q has shape {tuple(a_q.shape)}, "
+                     f"b_q has shape {tuple(b_q.shape)}")
+  groups = -(-k // gk)
+  n_blocks = -(-n // gn)
+  if a_s_column_major:
+    if a_s.shape[0] != groups or a_s.shape[1] < m:
+      raise ValueError(
+          f"column-major a_s must have shape (ceil(K/gk), M') = ({groups}, >= {m}) for K={k}, gk={gk}, M={m}; "
+          f"got {tuple(a_s.shape)}")
+  elif tuple(a_s.shape) != (m, groups):
+    hint = " (pass a_s_column_major=True for the (ceil(K/gk), M') layout)" if a_s.shape[0] == groups else ""
+    raise ValueError(
+        f"a_s must have shape (M, ceil(K/gk)) = ({m}, {groups}) for K={k}, gk={gk}; got {tuple(a_s.shape)}{hint}")
+  if tuple(b_s.shape) != (n_blocks, groups):
+    raise ValueError(
+        f"b_s must have shape (ceil(N/gn), ceil(K/gk)) = ({n_blocks}, {groups}) for N={n}, K={k}, "
+        f"block_size={block_size}; got {tuple(b_s.shape)}")
+  if bias is not None:
+    _checks.array("bias", bias, OUT_DTYPES, ndim=None)
+    if tuple(bias.shape) != (n,):
+      raise ValueError(f"bias must have shape (N,) = ({n},), got {tuple(bias.shape)}")
+  if out_rows is not None and (isinstance(out_rows, bool) or not isinstance(out_rows, numbers.Integral)
+                               or not 0 < out_rows <= m):
+    raise ValueError(f"out_rows must be an int in [1, M={m}] (the rows of a_q to compute), got {out_rows!r}")
+  return block_size, a_s_column_major, out_dtype
 
 
 def plan_for(a_q, b_q, block_size, *, out_rows: int | None = None, out_dtype=jnp.bfloat16, a_s_column_major=False,

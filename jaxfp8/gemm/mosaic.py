@@ -67,13 +67,13 @@ def _row_fill(m: int, tile_m: int) -> float:
 _SPEED_THREE_WGS = 1.09
 _SPEED_128X128_K2 = 1 / 1.03  # 128x128, 2 K blocks per step (1.5% slower per FLOP at M=4096, charged 3%)
 # The same where the 128x256 tiles would all run in one wave: 110.2 vs 124.2 us for 128x256 at M=512 N=7168 K=18432
-# (112 wide tiles; session 8; session 6 saw 111.0 vs 124.9), though both fill 85% of the slots. One 128x256 tile per
+# (112 wide tiles; a second run: 111.0 vs 124.9), though both fill 85% of the slots. One 128x256 tile per
 # CTA leaves nothing to overlap, and each of its warpgroups waits for one wgmma before promoting it, where two K
 # blocks per step keep a second wgmma running through the promotion. Every choice this moved on 132 SMs over the
 # shapes.json weights was timed after (benchmarks/archive/mosaic_sweep_h200_one_wave.*): 1-12% faster at all ten.
 _SPEED_128X128_K2_ONE_WAVE = 1.1
 _SPEED_128X128 = 0.935  # 128x128, 1 K block per step (1174 vs 1256 TFLOP/s at M=4096 N=24576 K=7168)
-_SPEED_64X128 = 0.8 * _SPEED_128X128  # 64x128 split in N (a guess from session 3, never contradicted)
+_SPEED_64X128 = 0.8 * _SPEED_128X128  # 64x128 split in N (an estimate no sweep has contradicted)
 _SPEED_COLUMNS = 0.77 * _SPEED_128X128  # 128x160 scaled per column, vs 128x128 tiles (M=512 N=10240 K=5120)
 
 
@@ -89,9 +89,9 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), two K blocks per step (each
   # warpgroup's second wgmma overlaps the promotion of its first); three stages of 2 x 32 KiB leave room for
   # 16-column epilogue stores only. Half the 128x256 tile, so fewer wasted slots where those leave many of their last
-  # wave empty (session 4, M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Two K blocks beat one on all three weights
-  # timed (session 7, M=256: 78.9 vs 84.3 us at N=24576 K=7168, 58.8 vs 65.5 at N=7168 K=18432, 35.3 vs 39.6 at
-  # N=10240 K=5120; M=128 likewise), reversing session 4's single M=256 reading (87.1 vs 84.8).
+  # wave empty (M=1024 N=10240 K=5120: 87.5 vs 102.1 us). Two K blocks beat one on all three weights timed (M=256:
+  # 78.9 vs 84.3 us at N=24576 K=7168, 58.8 vs 65.5 at N=7168 K=18432, 35.3 vs 39.6 at N=10240 K=5120; M=128
+  # likewise), reversing an earlier single M=256 reading (87.1 vs 84.8).
   two_block_config = _K.MosaicGemmConfig(
       tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=_K.Dim.M,
       epi_tile_n=16)
@@ -113,14 +113,14 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
                    _K.MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
                                     wg_split=_K.Dim.N, epi_tile_n=epi_tile_n)))
     # 160-wide tiles (scaled per column) where 160 divides N: M=256 N=10240 K=5120 (Qwen3-32B qkv) in 128 tiles of
-    # 128x160 ran 32.7 us, vs 44.9 for 320 tiles of 64x128 (session 6). Other widths measured slower than 128.
+    # 128x160 ran 32.7 us, vs 44.9 for 320 tiles of 64x128. Other widths measured slower than 128.
     if n % 160 == 0:
       scored.append((_SPEED_COLUMNS * _balance(cdiv(m, 128) * (n // 160), num_sms) * fill_128, _K.MosaicGemmConfig(
           tile_m=128, tile_n=160, max_concurrent_steps=2, k_blocks_per_step=2, num_compute_wgs=2, wg_split=_K.Dim.M,
           epi_tile_n=epi_tile_n)))
   # Three consumer warpgroups of 64x128 on 192x128 tiles, CTA pairs that share their A tile (TMA multicast) and a
   # 16-wide tile order: the third warpgroup's wgmmas keep the tensor cores busy while the other two wait for theirs
-  # and promote. Fastest wherever its 192-row tiles waste few rows (session 6, M=2048 and 4096: 1313-1368 TFLOP/s,
+  # and promote. Fastest wherever its 192-row tiles waste few rows (M=2048 and 4096: 1313-1368 TFLOP/s,
   # 2-8% ahead of 128x256; M=1024, where 11% of the rows are padding: 1-7% behind).
   pairs = cdiv(m, 192) * cdiv(n_blocks, 2)
   pair_fill = n_blocks / (2 * cdiv(n_blocks, 2))  # an odd tile count leaves one CTA of a pair idle
@@ -141,15 +141,15 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: i
     # M = 1..64 for N=24576 K=7168 (M=64: 47.2 us, 1.15x the weight-streaming floor, vs 50.0 us for 8 one-block
     # steps on a persistent grid) and level with it for N=7168 K=2048. 128-wide column tiles (they re-read the
     # activations from L2 half as often) when there are at least half as many of them as SMs, else 64-wide tiles for
-    # twice the CTAs. Except at M <= 16, where 128-wide tiles won at every N measured (session 4, N=7168 K=18432
-    # M=16: 45.2 us vs 52.8 for 64-wide; N=7168 K=2048 M=1, session 3), though at M=64 they lost on that shape
+    # twice the CTAs. Except at M <= 16, where 128-wide tiles won at every N measured (N=7168 K=18432 M=16: 45.2 us
+    # vs 52.8 for 64-wide; N=7168 K=2048 M=1), though at M=64 they lost on that shape
     # (38.9 vs 36.0 us). Those small-M runs had TMA fill the rows past M, which costs more than reading real rows
     # (128-wide tiles load the A tile half as often); jaxfp8.linear hands over 64-row buffers instead, and
     # block_fp8_matmul chooses by the rows it reads, so they get the M=64 choice.
     tile_n = 128 if m <= 16 or n // 128 >= num_sms // 2 else 64
   elif m <= 2 * WGMMA_M and _balance(cdiv(m, WGMMA_M) * cdiv(n, 128), num_sms) >= 0.8:
     # M = 65..128: the decode schedule over two 64-row tiles still streams the weight faster than any two-warpgroup
-    # tile can compute it, where its CTAs (one per 64x128 tile) fill most of a wave (session 7, M=128: N=7168
+    # tile can compute it, where its CTAs (one per 64x128 tile) fill most of a wave (M=128: N=7168
     # K=18432, 112 CTAs: 40.2 us, the best two-warpgroup schedule 51.2; N=24576 K=7168, 384 CTAs: 56.2 vs 57.6 for
     # 128x128 tiles with two K blocks per step). N=10240 gives 160 CTAs, a second wave of 28: 25.1 us vs 20.4 for
     # those 128x128 tiles, so it goes to the scored schedules.

@@ -73,14 +73,14 @@ def heuristic_config(m: int, n: int, k: int, block_size: tuple[int, int], *, num
   k_tiles = -(-k // block_k)
   if m <= 64:
     block_m = max(16, pow2_ceil(m))
-    # 3 stages: the depth of 22 of the 24 decode entries (M = 1-64) of session 10's tune.
+    # 3 stages: the depth of 22 of the 24 tuned decode entries (M = 1-64).
     config = TritonGemmConfig(
         block_m=block_m, block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=3, swap_ab=True)
     programs_wanted = 2 * num_sms
   else:
-    # H200 tunes of the session-9 kernel (session 10, six weights): 3 stages (three programs per SM) and 16 row tiles
+    # H200 tunes on six weights: 3 stages (three programs per SM) and 16 row tiles
     # per column sweep fastest at M=1024 and 4096 on 11 of the 12 pairs, 2-19% less time than the 4 stages and 8 row
-    # tiles of sessions 2-4; 8 row tiles at M=256 (fastest on 4 of 6).
+    # tiles tuned earlier; 8 row tiles at M=256 (fastest on 4 of 6).
     config = TritonGemmConfig(block_m=64, block_n=128, block_k=block_k, group_m=8 if m <= 256 else 16, num_warps=4,
                               num_stages=3)
     programs_wanted = num_sms

@@ -1,6 +1,6 @@
 """Block-scaled FP8 GEMM for Hopper (sm_90) in Pallas Mosaic GPU.
 
-Computes SPEC.md section 2 with block_size (128, 128):
+Computes docs/CONTRACT.md §2 with block_size (128, 128):
 
     C[m, n] = out_dtype(bias[n] + sum_g a_s[m, g] * b_s[n // 128, g] * sum_{k in group g} a_q[m, k] * b_q[n, k])
 
@@ -69,7 +69,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 
-BLOCK = 128  # the SPEC block size (gn, gk), fixed for this kernel
+BLOCK = 128  # the contract's block size (gn, gk), fixed for this kernel
 WGMMA_M = 64  # rows of one wgmma (and of one sub-tile)
 SMEM_BYTES = 232448  # per-block shared memory on H100/H200 (227 KiB)
 _FP8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))

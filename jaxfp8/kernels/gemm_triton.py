@@ -1,4 +1,4 @@
-"""Block-scaled FP8 GEMM (SPEC.md section 2) as a Triton-lowered Pallas kernel, for any sm >= 8.9 GPU.
+"""Block-scaled FP8 GEMM (docs/CONTRACT.md §2) as a Triton-lowered Pallas kernel, for any sm >= 8.9 GPU.
 
     C[m, n] = out( bias[n] + sum_g a_s[m, g] * b_s[n // gn, g] * sum_{k in group g} f32(a_q[m, k]) * f32(b_q[n, k]) )
 
@@ -6,7 +6,7 @@ One program computes a (block_m, block_n) tile of C (or, with split_k > 1, one K
 buffer that the caller sums). The K loop steps block_k at a time; every step runs fp8 x fp8 dots with f32 results,
 each dot no wider than one scale group (min(block_k, gk) columns of K, at most 128), and adds dot * a_s * b_s into an
 f32 register accumulator. So the tensor cores' own low-precision FP8 accumulation never runs over more than 128
-columns (PALLAS_NOTES: promote at least every 128 K); inside a group the dot is `fp8_group_dot`, which for bf16/fp16
+columns (docs/CONTRACT.md §2: promote at least every 128 K); inside a group the dot is `fp8_group_dot`, which for bf16/fp16
 outputs lets Triton chain the wgmmas (plain `lax.dot_general` makes it add every 32-wide wgmma into f32 separately:
 about 2x slower, and what float32 outputs still get, for precision).
 Every relation of block_k to gk is handled the same way:
@@ -150,7 +150,7 @@ def split_k_steps(k: int, config: TritonGemmConfig) -> tuple[int, int]:
 
 def _fma(x: jax.Array, y: jax.Array, z: jax.Array, interpret: bool) -> jax.Array:
   """x * y + z of f32 arrays of one shape, as one fused multiply-add per element on the GPU: Triton (through
-  Pallas, JAX 0.11.2) emits the promotion `acc + part * scale` as an FMUL and an FADD (H200 SASS, session 10), twice
+  Pallas, JAX 0.11.2) emits the promotion `acc + part * scale` as an FMUL and an FADD (H200 SASS), twice
   the instructions of the FFMAs ptxas makes of the same step in the Mosaic kernel. One rounding instead of two."""
   if interpret:
     return x * y + z
@@ -332,7 +332,7 @@ def block_fp8_matmul(
       _kernel, m=m, n=n, k=k, gn=gn, gk=gk, a_s_column_major=a_s_column_major,
       has_bias=bias is not None and split_k == 1, config=config, k_steps=k_steps, interpret=interpret,
       # bf16/fp16 results round far above the tensor cores' FP8 accumulation error; float32 results get the precise
-      # (slower) per-MMA promotion so that they stay well inside SPEC's 2e-4.
+      # (slower) per-MMA promotion so that they stay well inside the contract's 2e-4.
       fast_accumulation=jnp.dtype(out_dtype) != jnp.float32)
   operands = [a_q, b_q, a_s, b_s]
   if bias is not None and split_k == 1:

@@ -1,4 +1,4 @@
-"""Per-token-group FP8 quantization (SPEC.md section 1) as a Mosaic GPU kernel for Hopper.
+"""Per-token-group FP8 quantization (docs/CONTRACT.md §1) as a Mosaic GPU kernel for Hopper.
 
 One CTA (one warpgroup, 128 threads) owns `block_rows` rows of one batch entry and walks over
 `blocks_per_cta` blocks of `groups_per_block` groups along K. Each block is read by TMA from the
@@ -258,7 +258,7 @@ def _ue8m0_round_up(s):
 
 
 def _silu_and_mul(gate, up):
-  """SPEC 1: cast_x(cast_x(silu(f32(gate))) * f32(up)), silu(z) = z / (1 + exp(-z))."""
+  """docs/CONTRACT.md §1: cast_x(cast_x(silu(f32(gate))) * f32(up)), silu(z) = z / (1 + exp(-z))."""
   dtype = gate.dtype
   g = gate.astype(jnp.float32)
   silu = g / (jnp.float32(1.0) + jnp.exp(-g))
@@ -285,6 +285,44 @@ def problems(*, group_size: int, scale_layout: str, scale_ue8m0: bool) -> list[s
   if group_size % 16 or not 16 <= group_size <= _TMA_MAX_BOX:
     found.append(f"group_size must be a multiple of 16 in [16, {_TMA_MAX_BOX}], got {group_size}")
   return found
+
+
+def _check_smem(plan: _Plan, config: QuantMosaicConfig, dtype, group_size: int, fuse: bool) -> None:
+  itemsize = jnp.dtype(dtype).itemsize
+  block_elems = plan.block_rows * plan.groups_per_block * group_size
+  load_elems = plan.load_rows * plan.groups_per_block * group_size
+  buffers = [plan.num_stages * load_elems * itemsize] * (2 if fuse else 1) + [plan.num_q_buffers * block_elems]
+  smem_bytes = sum(_ceil_div(b, _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT for b in buffers)  # Mosaic aligns each buffer
+  if smem_bytes > _SMEM_BUDGET:
+    raise ValueError(
+        f"{config} needs {smem_bytes} bytes of shared memory for x.dtype={dtype}, group_size={group_size}, "
+        f"fuse_silu_and_mul={fuse} (at most {_SMEM_BUDGET}): use fewer block_rows, groups_per_block or num_stages")
+
+
+def _scratch(plan: _Plan, dtype, group_size: int, fuse: bool) -> tuple:
+  """The input ring (two with the fused SiLU's up half), the codes' buffers, and the ring's barriers."""
+  block = (plan.block_rows, plan.groups_per_block, group_size)
+  load_block = (plan.load_rows, plan.groups_per_block, group_size)
+  scratch = [plgpu.SMEM((plan.num_stages, *load_block), dtype)]
+  if fuse:
+    scratch.append(plgpu.SMEM((plan.num_stages, *load_block), dtype))
+  scratch.append(plgpu.SMEM((plan.num_q_buffers, *block), FP8))
+  scratch.append(plgpu.Barrier(num_barriers=plan.num_stages))
+  if fuse:
+    scratch.append(plgpu.Barrier(num_barriers=plan.num_stages))
+  return tuple(scratch)
+
+
+def _grid(plan: _Plan, experts: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  # The last grid axis is CUDA's x, launched fastest: neighbouring CTAs then read neighbouring columns of the same
+  # rows. CUDA's y and z stop at 65535, so very many row blocks go to x instead.
+  if plan.num_row_blocks <= _MAX_GRID_YZ and plan.num_splits <= _MAX_GRID_YZ:
+    grid, grid_names = (experts, plan.num_row_blocks, plan.num_splits), ("expert", "row_block", "split")
+  else:
+    grid, grid_names = (experts, plan.num_splits, plan.num_row_blocks), ("expert", "split", "row_block")
+  if experts > _MAX_GRID_YZ or min(plan.num_row_blocks, plan.num_splits) > _MAX_GRID_YZ:
+    raise ValueError(f"grid {grid} too large for CUDA: use more block_rows or groups_per_block")
+  return grid, grid_names
 
 
 def per_token_group_quant(
@@ -319,7 +357,6 @@ def per_token_group_quant(
   k = k_in // 2 if fuse else k_in
   groups = k // group_size
   words = _ceil_div(groups, 4)
-  itemsize = jnp.dtype(x.dtype).itemsize
   if scale_layout == "row":
     s_shape, s_dtype = (experts, out_rows, groups), jnp.float32
   elif scale_layout == "col":
@@ -335,47 +372,25 @@ def per_token_group_quant(
       x.shape, x.dtype, group_size=group_size, out_rows=out_rows, scale_layout=scale_layout,
       scale_cols=scale_cols, fuse=fuse, config=config,
   )
-  block_elems = plan.block_rows * plan.groups_per_block * group_size
-  load_elems = plan.load_rows * plan.groups_per_block * group_size
-  buffers = [plan.num_stages * load_elems * itemsize] * (2 if fuse else 1) + [plan.num_q_buffers * block_elems]
-  smem_bytes = sum(_ceil_div(b, _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT for b in buffers)  # Mosaic aligns each buffer
-  if smem_bytes > _SMEM_BUDGET:
-    raise ValueError(
-        f"{config} needs {smem_bytes} bytes of shared memory for x.dtype={x.dtype}, group_size={group_size}, "
-        f"fuse_silu_and_mul={fuse} (at most {_SMEM_BUDGET}): use fewer block_rows, groups_per_block or num_stages")
+  _check_smem(plan, config, x.dtype, group_size, fuse)
   x4 = x.reshape(experts, rows_in, k_in // group_size, group_size)  # free: splits the last dim
   has_q = out_rows > 0
   out_type = [jax.ShapeDtypeStruct(s_shape, s_dtype)]
   if has_q:
     out_type.insert(0, jax.ShapeDtypeStruct((experts, out_rows, groups, group_size), FP8))
-  block = (plan.block_rows, plan.groups_per_block, group_size)
-  load_block = (plan.load_rows, plan.groups_per_block, group_size)
-  scratch = [plgpu.SMEM((plan.num_stages, *load_block), x.dtype)]
-  if fuse:
-    scratch.append(plgpu.SMEM((plan.num_stages, *load_block), x.dtype))
-  scratch.append(plgpu.SMEM((plan.num_q_buffers, *block), FP8))
-  scratch.append(plgpu.Barrier(num_barriers=plan.num_stages))
-  if fuse:
-    scratch.append(plgpu.Barrier(num_barriers=plan.num_stages))
+  scratch = _scratch(plan, x.dtype, group_size, fuse)
 
   body = functools.partial(
       _kernel_body, plan=plan, eps=float(eps), scale_layout=scale_layout, ue8m0=bool(scale_ue8m0),
       fuse=fuse, has_q=has_q, interpret=interpret,
   )
-  # The last grid axis is CUDA's x, launched fastest: neighbouring CTAs then read neighbouring columns of the same
-  # rows. CUDA's y and z stop at 65535, so very many row blocks go to x instead.
-  if plan.num_row_blocks <= _MAX_GRID_YZ and plan.num_splits <= _MAX_GRID_YZ:
-    grid, grid_names = (experts, plan.num_row_blocks, plan.num_splits), ("expert", "row_block", "split")
-  else:
-    grid, grid_names = (experts, plan.num_splits, plan.num_row_blocks), ("expert", "split", "row_block")
-  if experts > _MAX_GRID_YZ or min(plan.num_row_blocks, plan.num_splits) > _MAX_GRID_YZ:
-    raise ValueError(f"grid {grid} too large for CUDA: use more block_rows or groups_per_block")
+  grid, grid_names = _grid(plan, experts)
   kernel = plgpu.kernel(
       body,
       out_type=tuple(out_type),
       grid=grid,
       grid_names=grid_names,
-      scratch_types=tuple(scratch),
+      scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=interpret_params,
       kernel_name="per_token_group_quant_fp8",

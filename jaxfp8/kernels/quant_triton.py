@@ -21,7 +21,7 @@ from . import exact_division
 from ._jax_compat import out_struct
 
 FP8_MAX = 448.0
-# float32(1/448): scale = amax * R, a multiply every backend rounds identically (SPEC 1).
+# float32(1/448): scale = amax * R, a multiply every backend rounds identically (docs/CONTRACT.md §1).
 R = float(np.float32(1.0 / 448.0))
 SCALE_LAYOUTS = ("row", "col", "col_packed")
 
@@ -55,18 +55,20 @@ def _divide(x: jax.Array, s: jax.Array, r: jax.Array, *, interpret: bool) -> jax
 
   An IEEE divide per element (div.rn.f32) costs a long instruction sequence and made the kernel compute-bound;
   Triton's own f32 `/` is approximate. Instead: q0 = RN(x * r), the exact residual x - q0 * s by one FMA, and one
-  FMA correction q0 + residual * r, which is the correctly rounded quotient when r = RN(1/s) (Markstein). Infinite
+  FMA correction q0 + residual * r, which is the correctly rounded quotient when r = RN(1/s) (Markstein), with q0's
+  sign (an exact zero's residual is +0 whatever x's sign, and -0 is a code of its own). Infinite
   scales (a group holding inf) take the plain quotient, whose x/inf = 0 and inf/inf = NaN are what IEEE gives.
   """
   if interpret:  # XLA executes the body: its `/` becomes a reciprocal multiply
     return exact_division.divide_correctly_rounded(x, s)
   (corrected,) = plt.elementwise_inline_asm(
       """{
-      .reg .f32 q0, neg_q0, residual;
+      .reg .f32 q0, neg_q0, residual, quotient;
       mul.rn.f32 q0, $1, $3;
       neg.f32 neg_q0, q0;
       fma.rn.f32 residual, neg_q0, $2, $1;
-      fma.rn.f32 $0, residual, $3, q0;
+      fma.rn.f32 quotient, residual, $3, q0;
+      copysign.f32 $0, q0, quotient;
       }""",
       args=[x, s, r], constraints="=r,r,r,r", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
@@ -107,7 +109,7 @@ def _kernel(valid_ref, x_ref, q_ref, s_ref, *, group_size, padded_group, eps, ou
     silu = (x / (1.0 + jnp.exp(-x))).astype(x_ref.dtype).astype(jnp.float32)
     x = (silu * up).astype(x_ref.dtype).astype(jnp.float32)
 
-  # Triton's float max drops NaN (maxnumf): track NaN separately so a NaN group gets a NaN scale (SPEC 1).
+  # Triton's float max drops NaN (maxnumf): track NaN separately so a NaN group gets a NaN scale (docs/CONTRACT.md §1).
   group_has_nan = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=2) > 0
   amax = jnp.maximum(jnp.max(jnp.abs(x), axis=2), eps)
   scale = jnp.where(group_has_nan, jnp.nan, amax * R)

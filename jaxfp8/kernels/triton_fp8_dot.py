@@ -5,11 +5,11 @@ Why not `lax.dot_general`: Pallas-Triton (JAX 0.11.2) emits `tt.dot` without a `
 writes a fresh accumulator that is waited for and added into the result with f32 adds. That serialises the tensor
 cores behind the adds (measured: the block-FP8 GEMM at about 320 TFLOP/s on an H200, 4x under cuBLAS).
 
-The GEMM already promotes into its own f32 accumulator once per scale group (at most 128 K, as SPEC.md and
-PALLAS_NOTES.md ask), so inside one group's dot the tensor core's own accumulation is what the contract allows. With
+The GEMM already promotes into its own f32 accumulator once per scale group (at most 128 K, as docs/CONTRACT.md §2
+asks), so inside one group's dot the tensor core's own accumulation is what the contract allows. With
 `fast_accumulation=True` this primitive lowers to `tt.dot` with `maxNumImpreciseAcc` above the dot's K, so Triton
 chains the group's wgmmas on one accumulator, as Triton's own front end does for FP8 on Hopper (the measured error of
-that accumulation, about 1.3e-4 relative at K=128, is 65% of SPEC's float32-output bound: callers wanting float32
+that accumulation, about 1.3e-4 relative at K=128, is 65% of the contract's float32-output bound: callers wanting float32
 results ask for `fast_accumulation=False`, the precise and slow per-instruction promotion). Off the Triton path
 (interpret mode, CPU) it is `lax.dot_general` with an f32 result.
 """

@@ -6,9 +6,10 @@
 
 Layout: `api` (validation, the public functions), `planner` (the linear's plan: the GEMM's and the quantizer's plans,
 and `apply`), `buckets` (row buckets of eager calls, `pad_to_bucket`), `eager` (the executable cache of eager calls),
-`parallel` (tensor parallelism).
+`parallel` (tensor parallelism), `backward` (the gradient).
 """
 
+from jaxfp8.linear import backward
 from jaxfp8.linear.api import IMPLEMENTATIONS, explain, w8a8_block_fp8_linear
 from jaxfp8.linear.buckets import RowBuckets, get_row_buckets, pad_to_bucket, row_buckets, set_row_buckets
 from jaxfp8.linear.eager import CacheInfo, cache_clear, cache_info
@@ -20,5 +21,5 @@ __all__ = [
     "w8a8_block_fp8_linear", "explain", "LinearPlan", "LinearOptions", "RowBuckets", "get_row_buckets",
     "set_row_buckets", "row_buckets", "pad_to_bucket", "cache_info", "cache_clear", "CacheInfo",
     "column_parallel_linear", "row_parallel_linear", "weight_spec", "weight_sharding", "shard_linear_weights",
-    "IMPLEMENTATIONS", "PARALLEL_MODES",
+    "IMPLEMENTATIONS", "PARALLEL_MODES", "backward",
 ]

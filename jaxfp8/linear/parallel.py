@@ -74,6 +74,7 @@ def _parallel_fn(parallel: str, ndim: int, has_bias: bool, *, mesh, axis_name: s
                  gather_output: bool, options: planner.LinearOptions) -> Callable:
   """The shard_map-ped linear for x of `ndim` dimensions (traceable)."""
   linear_kwargs = dict(implementation=options.implementation, quant_implementation=options.quant_implementation,
+                       backward=options.backward,
                        row_alignment=options.row_alignment, config=options.config, interpret=options.interpret)
 
   if parallel == "column":
@@ -146,7 +147,7 @@ def column_parallel_linear(
     x, w_q, w_s, block_size: tuple[int, int], bias=None, *, mesh: jax.sharding.Mesh, axis_name: str,
     gather_output: bool = False, out_dtype=None, implementation: str | None = None,
     quant_implementation: str | None = None, row_alignment: int | None = None, config=None,
-    interpret: bool | None = None,
+    interpret: bool | None = None, backward: str = "fp8",
 ) -> jax.Array:
   """The linear with N split over mesh axis `axis_name` (`jax.shard_map`).
 
@@ -155,7 +156,7 @@ def column_parallel_linear(
   (..., N) is sharded along its last axis, or all-gathered with gather_output=True. Other arguments as in
   `w8a8_block_fp8_linear`; results equal the unsharded call's bit for bit when every shard runs the same kernels.
   """
-  options = planner.LinearOptions(implementation, quant_implementation, row_alignment, config, interpret)
+  options = planner.LinearOptions(implementation, quant_implementation, row_alignment, config, interpret, backward)
   return _parallel_linear("column", x, w_q, w_s, block_size, bias, mesh=mesh, axis_name=axis_name,
                           gather_output=gather_output, out_dtype=out_dtype, options=options)
 
@@ -163,7 +164,7 @@ def column_parallel_linear(
 def row_parallel_linear(
     x, w_q, w_s, block_size: tuple[int, int], bias=None, *, mesh: jax.sharding.Mesh, axis_name: str,
     out_dtype=None, implementation: str | None = None, quant_implementation: str | None = None,
-    row_alignment: int | None = None, config=None, interpret: bool | None = None,
+    row_alignment: int | None = None, config=None, interpret: bool | None = None, backward: str = "fp8",
 ) -> jax.Array:
   """The linear with K split over mesh axis `axis_name` (`jax.shard_map`), as after a column-parallel layer.
 
@@ -173,6 +174,6 @@ def row_parallel_linear(
   (replicated) bias is added once and the result cast. The output is replicated. It differs from the unsharded call
   only by the float32 summation order of the K slices.
   """
-  options = planner.LinearOptions(implementation, quant_implementation, row_alignment, config, interpret)
+  options = planner.LinearOptions(implementation, quant_implementation, row_alignment, config, interpret, backward)
   return _parallel_linear("row", x, w_q, w_s, block_size, bias, mesh=mesh, axis_name=axis_name,
                           gather_output=False, out_dtype=out_dtype, options=options)

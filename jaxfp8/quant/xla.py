@@ -26,22 +26,15 @@ def _ue8m0(s: jax.Array) -> jax.Array:
 
 
 def _round_to(v: jax.Array, dtype) -> jax.Array:
-  """Round f32 values to `dtype` (bf16 or f16) and back, as SPEC 1's cast_to_x_dtype does.
+  """Round f32 values to `dtype` (bf16 or f16) and back, subnormals included, as docs/CONTRACT.md §1's round_x does.
 
-  A pair of converts is not enough: XLA's excess-precision simplification may drop it (seen on GPU). reduce_precision
-  is kept, but flushes results below the format's smallest normal to zero, so f16's subnormal range (which a SiLU of a
-  large negative input reaches) is rounded separately: adding and subtracting 0.5 rounds |v| < 2**-14 to a multiple of
-  2**-24, f16's subnormal step, with the FPU's round-to-nearest-even.
+  A bare pair of converts is not enough: XLA's simplifier folds f32 -> f16 -> f32 into nothing (excess precision),
+  and folds arithmetic rounding idioms such as (v + 0.5) - 0.5 too. An optimization barrier between the converts
+  keeps the rounding, f16's subnormal range (which a SiLU of a large negative input reaches) included.
   """
   if jnp.dtype(dtype) == jnp.float32:
     return v
-  info = jnp.finfo(dtype)
-  rounded = lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-  if jnp.dtype(dtype) != jnp.float16:
-    return rounded  # bf16 shares f32's exponent range: its subnormals are f32 subnormals
-  magnitude = jnp.abs(v)
-  subnormal = jnp.copysign((magnitude + 0.5) - 0.5, v)
-  return jnp.where(magnitude < float(info.smallest_normal), subnormal, rounded)
+  return lax.optimization_barrier(v.astype(dtype)).astype(jnp.float32)
 
 
 def per_token_group_quant(
