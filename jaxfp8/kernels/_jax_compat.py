@@ -4,6 +4,7 @@ library). Each function says which JAX behaviour it answers."""
 from __future__ import annotations
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
@@ -17,3 +18,18 @@ def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
   varying = frozenset().union(*(m.varying for m in mats))
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mats[0])(varying=varying))
+
+
+def store_unoptimized(ref, value) -> None:
+  """ref[...] = value in a Mosaic GPU kernel, whatever the transfer's coalescing or bank conflicts.
+
+  JAX 0.12 checks that a register store to GMEM covers whole 32-byte sectors, and that one to SMEM avoids bank
+  conflicts, unless the store is asked for unoptimized (`plgpu.store(..., optimized=False)`, new in 0.12); it refuses
+  the strided store of column-major scales and the fp8 store of a float32 block's codes. JAX 0.11 has neither the
+  check nor that function, and stores these as 0.12 does unoptimized.
+  """
+  store = getattr(plgpu, "store", None)
+  if store is None:
+    ref[...] = value
+  else:
+    store(ref, value, optimized=False)

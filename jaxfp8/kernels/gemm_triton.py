@@ -209,8 +209,10 @@ def _kernel(
     hoist_b_s = groups_padded <= _MAX_HOISTED_GROUPS
     if hoist_b_s:
       group_ids = lax.broadcasted_iota(jnp.int32, (groups_padded,), 0)
-      b_s_tile_row = plt.load(b_s_ref.at[b_s_row, pl.ds(0, groups_padded)], mask=group_ids < num_groups,
-                              other=0.0)
+      # Indexed by a (clamped) vector, not a pl.ds slice: JAX 0.12 refuses a slice past the ref's end even where
+      # the load is masked.
+      in_row = group_ids < num_groups
+      b_s_tile_row = plt.load(b_s_ref.at[b_s_row, jnp.where(in_row, group_ids, 0)], mask=in_row, other=0.0)
   else:
     b_s_rows = jnp.minimum(_div(cols, gn), num_n_blocks - 1)
 

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import exact_division
+from ._jax_compat import store_unoptimized
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -407,13 +408,14 @@ def per_token_group_quant(
 
 def _store_to_gmem(ref, value) -> None:
   """ref[...] = value, also for a single element (a lone scale when block_rows = 1), which Mosaic GPU 0.11.2 can
-  only store to GMEM as a scalar: its one-element array store takes a shared-memory-only path."""
+  only store to GMEM as a scalar: its one-element array store takes a shared-memory-only path. Scale stores are
+  strided (column-major scales) and narrow: they go out without a coalescing requirement."""
   if math.prod(value.shape) == 1:
     for _ in range(value.ndim):
       value = jnp.max(value, axis=0)  # the single element, as a scalar (NaN stays NaN)
     ref[(0,) * len(ref.shape)] = value
   else:
-    ref[...] = value
+    store_unoptimized(ref, value)
 
 
 def _kernel_body(
@@ -494,7 +496,11 @@ def _kernel_body(
       v = x.astype(jnp.float32) / scale_full  # IEEE division (div.rn.f32), not a reciprocal multiply
     if interpret or not _SATFINITE_CAST:
       v = jnp.clip(v, -FP8_MAX, FP8_MAX)
-    q_ref[...] = v.astype(FP8)
+    codes = v.astype(FP8)
+    if jnp.dtype(x_ref.dtype).itemsize == 4:  # 4-byte vectors of codes per thread: no conflict-free plan exists
+      store_unoptimized(q_ref, codes)
+    else:
+      q_ref[...] = codes
     return jnp.where(live, scale, jnp.float32(1.0))
 
   def step_body(step, carry):
