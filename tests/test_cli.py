@@ -1,10 +1,84 @@
-"""The command line's arguments: the one parser of --shapes and --m (jaxfp8/tools/args.py)."""
+"""The command line, `python -m jaxfp8 COMMAND`: per-command help, the one parser of --shapes and --m, and one-line
+errors where a command cannot run (checked in subprocesses on CPU, as a user sees them)."""
 
 from __future__ import annotations
 
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from jaxfp8.tools import args
+from jaxfp8.tools import args, bench, cli, tune
+
+ROOT = Path(__file__).resolve().parent.parent
+# Each command's own flags, and flags of other commands that its help must not show.
+OWN_FLAGS = {
+    "check": ({"--implementations", "--k", "--m", "--seed"}, {"--ops", "--max_configs", "--json", "--rerender"}),
+    "bench": ({"--ops", "--shapes", "--models", "--m", "--k", "--implementations", "--iterations", "--peak_tflops",
+               "--time_budget_s", "--out"}, {"--max_configs", "--json", "--panels", "--rerender", "--parallel"}),
+    "tune": ({"--shapes", "--m", "--max_configs", "--iterations", "--out", "--block_size"},
+             {"--ops", "--peak_tflops", "--json", "--rerender", "--implementations"}),
+    "plot": ({"--json", "--out", "--panels"}, {"--shapes", "--m", "--ops", "--max_configs", "--rerender"}),
+    "tp": ({"--shapes", "--models", "--m", "--devices", "--parallel", "--rerender", "--out", "--implementation"},
+           {"--ops", "--max_configs", "--json", "--peak_tflops", "--shapes_json"}),
+}
+
+
+def _cli(*argv: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+  """`python -m jaxfp8 ARGV` in a subprocess on CPU, as a user runs it."""
+  return subprocess.run([sys.executable, "-m", "jaxfp8", *argv], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})))
+
+
+def _flags_in(text: str) -> set[str]:
+  return {line.split(":")[0].strip() for line in text.splitlines() if line.startswith("  --")}
+
+
+# ---- help ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", list(OWN_FLAGS))
+def test_each_command_help_lists_its_own_flags(command, capsys):
+  assert cli.main(["jaxfp8", command, "--help"]) == 0
+  out = capsys.readouterr().out
+  own, others = OWN_FLAGS[command]
+  shown = _flags_in(out)
+  assert own <= shown, own - shown
+  assert not shown & others, shown & others
+  assert out.startswith(f"usage: python -m jaxfp8 {command} ")
+  assert not any("absl" in flag or "logtostderr" in flag for flag in shown)  # absl's own flags stay out
+
+
+def test_help_in_a_subprocess_and_the_overview():
+  proc = _cli("tune", "--help")
+  assert proc.returncode == 0 and "--max_configs" in proc.stdout and "--ops" not in proc.stdout, proc.stderr
+  proc = _cli("--help")
+  assert proc.returncode == 0, proc.stderr
+  for command in cli.COMMANDS:
+    assert f"\n  {command} " in proc.stdout
+  assert "usage: python -m jaxfp8 check" in proc.stdout  # the default command's flags follow
+
+
+def test_no_argparse_and_import_jaxfp8_loads_no_tool():
+  offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "jaxfp8").rglob("*.py") if "argparse" in p.read_text()]
+  assert offenders == []
+  code = ("import sys, jaxfp8; loaded = [m for m in sys.modules if m.startswith('jaxfp8.tools')]; "
+          "assert not loaded, loaded")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr
+
+
+def test_tool_modules_and_functions_stay_small():
+  for path in sorted((ROOT / "jaxfp8" / "tools").glob("*.py")) + [ROOT / "jaxfp8" / "__main__.py"]:
+    text = path.read_text()
+    assert text.count("\n") <= 500, f"{path.name}: {text.count(chr(10))} lines"
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, ast.FunctionDef):
+        assert node.end_lineno - node.lineno < 85, f"{path.name}: {node.name} has {node.end_lineno - node.lineno} lines"
 
 
 # ---- the shapes parser -----------------------------------------------------------------------------------------------
@@ -59,3 +133,83 @@ def test_ms_errors_and_shapes_with_their_own_ms():
   assert args.shapes_and_ms(shapes, (2,)) == ([("256x512", 256, 512), ("128x256", 128, 256)], {"256x512": [1, 4]})
   with pytest.raises(args.UsageError, match="every --shapes item gives its own M"):
     args.shapes_and_ms(shapes[:1], (2,))
+
+
+def test_bench_takes_every_form_in_process(tmp_path, monkeypatch):
+  """The command line feeds the parser's shapes and the quantizer's --k to bench.run (a fast fake run)."""
+  seen = {}
+  monkeypatch.setattr(bench, "run", lambda *a, **kw: seen.update(args=a, **kw))
+  assert cli.main(["jaxfp8", "bench", "--shapes=1,256,512;4,256,512;qwen3_4b.o_proj", "--m=8", "--ops=gemm,quant",
+                   "--k=2048,512", "--block_size=128,128"]) == 0
+  ops, shape_list, ms, implementations, out = seen["args"]
+  assert ops == ["gemm", "quant"] and ms == (8,) and implementations is None and out is None
+  assert shape_list == [("256x512", 256, 512), ("qwen3_4b.o_proj", 2560, 4096)]
+  assert seen["ms_by_shape"] == {"256x512": [1, 4]} and seen["quant_ks"] == (2048, 512)
+  assert seen["command"] == "python -m jaxfp8 bench '--shapes=1,256,512;4,256,512;qwen3_4b.o_proj' --m=8 " \
+                            "--ops=gemm,quant --k=2048,512 --block_size=128,128"
+
+
+def test_bench_quant_at_given_widths_on_cpu(tmp_path):
+  out = tmp_path / "q.json"
+  assert cli.main(["jaxfp8", "bench", "--ops=quant", "--k=256,512", "--m=2", "--iterations=1", f"--out={out}"]) == 0
+  result = json.loads(out.read_text())
+  assert {(r["op"], r["k"], r["m"], r["implementation"]) for r in result["rows"]} == {
+      ("quant", 256, 2, "xla"), ("quant", 512, 2, "xla")}
+  assert result["quant_ks"] == [256, 512] and result["cpu_warning"] and "WALL-CLOCK" in result["timing"]
+
+
+# ---- errors: one line on stderr, a non-zero exit status, no traceback ------------------------------------------------
+
+def _one_line_error(proc: subprocess.CompletedProcess, status: int, *parts: str) -> None:
+  assert proc.returncode == status, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+  assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+  for part in parts:
+    assert part in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv, status, parts", [
+    (["tune", "--out=/tmp/never_written.json"], 1,
+     ["python -m jaxfp8 tune: needs an NVIDIA GPU", "this machine has cpu"]),
+    (["tune"], 2, ["python -m jaxfp8 tune: --out is required"]),
+    (["bench", "--ops=quant", "--implementations=mosaic,triton"], 1,
+     ["python -m jaxfp8 bench: --implementations: mosaic needs a Hopper GPU", "triton needs an NVIDIA GPU"]),
+    (["bench", "--shapes=1,256,512;a,b"], 2, ["python -m jaxfp8 bench: --shapes: 'a,b'"]),
+    (["bench", "--m=1,x"], 2, ["--m: 'x' is not a positive integer"]),
+    (["bench", "--nosuchflag=1"], 2, ["Unknown command line flag 'nosuchflag'"]),
+    (["tp", "--shapes=256,256", "--m=1", "--out=/tmp/never_written.json"], 1,
+     ["python -m jaxfp8 tp: tensor parallelism needs 2 or more devices"]),
+    (["nosuchcommand"], 2, ["python -m jaxfp8: unknown command 'nosuchcommand'"]),
+])
+def test_commands_that_cannot_run_here_say_so_in_one_line(argv, status, parts):
+  _one_line_error(_cli(*argv), status, *parts)
+
+
+def test_plot_without_matplotlib_says_which_extra(tmp_path):
+  fake = tmp_path / "no_matplotlib" / "matplotlib"
+  fake.mkdir(parents=True)
+  (fake / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+  path = os.pathsep.join([str(fake.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])
+  proc = _cli("plot", f"--json={ROOT / 'benchmarks' / 'quant_h200.json'}", f"--out={tmp_path / 'q.png'}",
+              env={"PYTHONPATH": path})
+  _one_line_error(proc, 1, "python -m jaxfp8 plot: needs matplotlib: pip install 'jaxfp8[notebooks]'")
+  assert not (tmp_path / "q.png").exists()
+
+
+# ---- tune's search space ---------------------------------------------------------------------------------------------
+
+def test_tune_writes_only_where_told(tmp_path):
+  # --out is required (the shipped table is copied into the package by hand); on CPU nothing is written.
+  assert tune.FLAGS["out"].default is None
+  proc = _cli("tune", f"--out={tmp_path / 't.json'}", "--shapes=256,512", "--m=8")
+  assert proc.returncode == 1 and not (tmp_path / "t.json").exists()
+
+
+# ---- scripts ---------------------------------------------------------------------------------------------------------
+
+def test_gpu_round_runs_only_commands_that_exist():
+  text = (ROOT / "scripts" / "gpu_round.sh").read_text()
+  assert "-m jaxfp8." not in text  # no module of jaxfp8 runs as a command of its own
+  for line in text.splitlines():
+    if "-m jaxfp8 " in line and not line.lstrip().startswith("#"):
+      command = line.split("-m jaxfp8 ", 1)[1].split()[0]
+      assert command in cli.COMMANDS, line

@@ -1,8 +1,8 @@
-"""Plots of benchmark JSON: throughput against M, one line per implementation, one panel per shape.
+"""`python -m jaxfp8 plot`: a results JSON as throughput against M, one line per implementation, one panel per shape.
 
-Reads the JSON of `python -m jaxfp8 bench` (GEMM: TFLOP/s; quantizer only: GB/s), of `bench_gemm` (TFLOP/s), of
-`bench_quant` (GB/s, with the copy bandwidth measured in the same run as a dashed line) and of `bench_tp` (the
-sharded layer's kernel-time speedup over one GPU, per mode):
+Reads the JSON of `python -m jaxfp8 bench` (GEMM: TFLOP/s; quantizer only: GB/s, with the copy bandwidth measured in
+the same run as a dashed line), of `python -m jaxfp8 tp` (the sharded layer's kernel-time speedup over one GPU, per
+mode), and the older per-op runs (bench_gemm, bench_linear, bench_quant) kept in benchmarks/:
 
     python -m jaxfp8 plot --json=benchmarks/quant_h200.json --out=benchmarks/quant_h200.png
 
@@ -12,8 +12,23 @@ matplotlib is an optional dependency (extra `notebooks`).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 
+from absl import flags
+
+from jaxfp8.tools import args
+
+FLAGS = flags.FlagValues()
+_KW = dict(flag_values=FLAGS, module_name=__name__)
+flags.DEFINE_string("json", None, "The results JSON to plot (required).", **_KW)
+flags.DEFINE_string("out", None, "The image to write (PNG, or any format matplotlib writes). Default: beside the "
+                    "JSON, with .png.", **_KW)
+flags.DEFINE_list("panels", None, "Shape names (or K=... for the quantizer) to plot, one panel each. Default: two "
+                  "representative shapes.", **_KW)
+flags.mark_flag_as_required("json", flag_values=FLAGS)
+
+MATPLOTLIB_MISSING = "needs matplotlib: pip install 'jaxfp8[notebooks]'"
 # Two shapes that stand for the rest: a wide projection (compute bound at prefill) and a long-K down projection.
 PREFERRED_SHAPES = ("deepseek_v3.q_proj_no_lora", "dsv3.q_proj_no_lora", "deepseek_v3.dense_down", "dsv3.dense_down")
 PREFERRED_QUANT_KS = ("K=7168", "K=18432")
@@ -104,3 +119,21 @@ def plot_file(json_path: str, out_path: str, shapes: Sequence[str] | None = None
   fig = plot_result(result, shapes)
   fig.savefig(out_path, dpi=110)
   return out_path
+
+
+def main(command_line: str) -> int:
+  """`python -m jaxfp8 plot` with this module's FLAGS."""
+  del command_line
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    raise args.CommandError(MATPLOTLIB_MISSING) from None
+  if not os.path.exists(FLAGS.json):
+    raise args.UsageError(f"--json: no such file {FLAGS.json}")
+  out = FLAGS.out or FLAGS.json.removesuffix(".json") + ".png"
+  try:
+    plot_file(FLAGS.json, out, shapes=FLAGS.panels)
+  except (ValueError, KeyError, json.JSONDecodeError) as e:
+    raise args.UsageError(f"--json={FLAGS.json}: cannot plot it: {type(e).__name__}: {e}") from None
+  print(f"wrote {out}")
+  return 0
