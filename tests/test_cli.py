@@ -1,18 +1,22 @@
-"""The command line, `python -m jaxfp8 COMMAND`: per-command help, the one parser of --shapes and --m, and one-line
-errors where a command cannot run (checked in subprocesses on CPU, as a user sees them)."""
+"""The command line, `python -m jaxfp8 COMMAND`: per-command help, the one parser of --shapes and --m, one-line errors
+where a command cannot run (checked in subprocesses on CPU, as a user sees them), and tune's search space."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
-from jaxfp8.tools import args, bench, cli, tune
+from jaxfp8 import gemm
+from jaxfp8.kernels import gemm_triton
+from jaxfp8.tools import args, bench, cli, timing, tune
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each command's own flags, and flags of other commands that its help must not show.
@@ -196,6 +200,45 @@ def test_plot_without_matplotlib_says_which_extra(tmp_path):
 
 
 # ---- tune's search space ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 4096])
+@pytest.mark.parametrize("block_size", [(128, 128), (64, 64), (128, 64)])
+def test_tune_candidates_come_from_the_declared_space(m, block_size):
+  n, k = 7168, 2048
+  space = tune.candidate_space(m, n, k, block_size)
+  heuristic = gemm.triton.heuristic_config(m, n, k, block_size)
+  assert space[0] == heuristic
+  assert all(not gemm_triton.config_problems(c, block_size) for c in space)  # every candidate can run
+  launched = [dataclasses.replace(c, split_k=gemm_triton.split_k_steps(k, c)[1]) for c in space]
+  assert len(set(launched)) == len(space)  # distinct as launched
+  regime = tune.SEARCH_SPACE["decode" if m <= tune.DECODE_MAX_M else "prefill"]
+  for config in space:
+    for axis, values in regime.items():
+      assert getattr(config, axis) in (*values, getattr(heuristic, axis)), (axis, config)
+  axes = tune.search_space(m, heuristic)
+  distances = [sum(abs(v.index(getattr(c, a)) - v.index(getattr(heuristic, a))) for a, v in axes.items())
+               for c in space]
+  assert distances == sorted(distances)  # nearest to the heuristic first
+  assert tune.candidate_configs(m, n, k, block_size, max_configs=7) == space[:7]
+
+
+def test_tune_says_how_many_configs_it_left_out(monkeypatch, tmp_path):
+  def fake_cupti(fn, arg_sets, *, iterations=30, sync=jax.block_until_ready):
+    sync(fn(*arg_sets[0]))
+    return 1.0
+
+  monkeypatch.setattr(timing, "median_kernel_us", fake_cupti)
+  out = tmp_path / "table.json"
+  lines = []
+  table = tune.tune([(200, 384)], [8], (128, 128), str(out), max_configs=2, iterations=1, interpret=True,
+                    log=lines.append)
+  total = len(tune.candidate_space(8, 200, 384, (128, 128)))
+  [entry] = table["entries"].values()
+  assert total > 2 and entry["search_space"] == total and entry["left_out"] == total - 2
+  left_out = f"{total - 2} left out by max_configs=2"
+  assert f"N=200 K=384 M=8: 2 of the {total} configs of the search space; {left_out}" in lines
+  assert lines[-2].endswith(f"{total - 2} of the search space left out]"), lines[-2]
+
 
 def test_tune_writes_only_where_told(tmp_path):
   # --out is required (the shipped table is copied into the package by hand); on CPU nothing is written.

@@ -26,8 +26,8 @@ COMMANDS = {
               "that runs here, check each against the float64 reference, print a table (CPU: < 1 min)"),
     "bench": ("jaxfp8.tools.bench", "time every op (--ops=gemm,linear,quant), implementation and baseline in one run: "
               "a table, --out JSON and markdown (GPU: CUPTI kernel times; CPU: wall clock of the XLA paths)"),
-    "tune": ("jaxfp8.tools.tune", "GPU: time Triton GEMM configs per (shape, M bucket), write the fastest into a "
-             "config table (--out)"),
+    "tune": ("jaxfp8.tools.tune", "GPU: time the Triton GEMM configs of a declared search space per (shape, M "
+             "bucket), write the fastest into a config table (--out)"),
     "plot": ("jaxfp8.tools.plot", "plot a results JSON of bench or tp (needs matplotlib)"),
     "tp": ("jaxfp8.tools.tp", "tensor-parallel linears over every local device, checked and timed against one device"),
 }

@@ -3,9 +3,13 @@ config table.
 
     python -m jaxfp8 tune --shapes="24576,7168;576,7168" --m=1,64,4096 --out=/tmp/triton_gemm_h200.json
 
-Candidates: `candidate_configs`, the heuristic config first, at most --max_configs. The table's current entry for
-the key (the --out file's, else the shipped table's) is timed too, so that a re-tune never swaps an entry for a slower
-one.
+Candidates come from a declared search space (SEARCH_SPACE: the values of each config axis, one space for decode,
+M <= 64, one for prefill; each axis also takes the heuristic config's value): the product of the axes, without the
+configs that cannot run (`config_problems`) or that launch like a nearer one (split counts that `split_k_steps` trims
+alike), ordered by distance from the heuristic config (the number of steps along the axes' sorted values; the
+heuristic first, ties in the order of the product). --max_configs keeps the nearest and the output says how many it
+left out. The table's current entry for the key (the --out file's, else the shipped table's) is timed too, so that a
+re-tune never swaps an entry for a slower one.
 
 Every candidate is compiled, its output checked against the float64 reference on a sample (rows and whole column
 blocks; bf16 output within 5e-3, docs/CONTRACT.md §2), then timed with CUPTI (`jaxfp8.tools.timing`, inputs rotated
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import time
@@ -35,18 +40,46 @@ from absl import flags
 
 from jaxfp8 import _platform, gemm
 from jaxfp8 import reference as ref
-from jaxfp8.kernels.gemm_triton import TritonGemmConfig, config_problems, split_k_steps
+from jaxfp8.kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil, split_k_steps
 from jaxfp8.tools import args, bench_gemm, timing
 from jaxfp8.tools import results as results_io
 
 BF16_BOUND = 5e-3  # docs/CONTRACT.md §2: relative Frobenius error of a bf16 output
+DECODE_MAX_M = 64
+# The values each config axis takes, per regime. Decode streams the weight: narrow row tiles, the weight tile as the
+# MMA's M side (swap_ab) or not, K split until the programs fill the SMs. Prefill is compute bound: wider tiles,
+# grouped tile order for L2 reuse of the weight, split-K only where the tiles alone cannot fill the GPU.
+SEARCH_SPACE: dict[str, dict[str, tuple]] = {
+    "decode": {
+        "block_m": (16, 32, 64),
+        "block_n": (64, 128),
+        "block_k": (128, 256),
+        "group_m": (1, 8),
+        "num_warps": (4, 8),
+        "num_stages": (2, 3, 4, 5, 6),
+        "split_k": (1, 2, 3, 4, 5, 6, 8, 12, 16),
+        "swap_ab": (True, False),
+    },
+    "prefill": {
+        "block_m": (64, 128, 256),
+        "block_n": (64, 128, 256),
+        "block_k": (128, 256),
+        "group_m": (4, 8, 16),
+        "num_warps": (4, 8),
+        "num_stages": (2, 3, 4, 5),
+        "split_k": (1, 2, 4),
+        "swap_ab": (False,),
+    },
+}
+
 FLAGS = flags.FlagValues()
 _KW = dict(flag_values=FLAGS, module_name=__name__)
 args.define_shape_flags(FLAGS, __name__, shapes_default="DeepSeek-V3 and Qwen3-32B weights (bench_gemm.DEFAULT_SHAPES)",
                         m_default="every bucket of jaxfp8.gemm.triton.M_BUCKETS (M must be a bucket)")
 flags.DEFINE_list("block_size", ["128", "128"], "Quantization block (gn, gk).", **_KW)
-flags.DEFINE_integer("max_configs", 24, "Configs timed per (shape, M), the heuristic's first (plus the table's "
-                     "current entry).", lower_bound=1, **_KW)
+flags.DEFINE_integer("max_configs", 24, "Configs timed per (shape, M), the nearest to the heuristic (plus the "
+                     "table's current entry); the output says how many of the search space are left out.",
+                     lower_bound=1, **_KW)
 flags.DEFINE_integer("iterations", 20, "Timed calls per config.", lower_bound=1, **_KW)
 flags.DEFINE_float("time_budget_s", None, "Start no new (shape, M) after this many seconds.", lower_bound=0, **_KW)
 flags.DEFINE_integer("seed", None, "Random seed of the inputs (default: fresh).", **_KW)
@@ -57,80 +90,44 @@ flags.mark_flag_as_required("out", flag_values=FLAGS)
 
 # ---- the candidates --------------------------------------------------------------------------------------------------
 
-def candidate_configs(m: int, n: int, k: int, block_size: tuple[int, int], *, max_configs: int = 24,
-                      num_sms: int = 132) -> list[TritonGemmConfig]:
-  """A short list of plausible configs for this problem, the heuristic's first; only configs that can run."""
+def search_space(m: int, heuristic: TritonGemmConfig) -> dict[str, tuple]:
+  """The values of each axis for M: the regime's SEARCH_SPACE plus the heuristic's value, sorted. Decode row tiles
+  stop at M rounded up to a power of two (at least 16): taller ones only compute zero rows."""
+  regime = SEARCH_SPACE["decode" if m <= DECODE_MAX_M else "prefill"]
+  space = {axis: tuple(sorted({*values, getattr(heuristic, axis)})) for axis, values in regime.items()}
+  if m <= DECODE_MAX_M:
+    space["block_m"] = tuple(v for v in space["block_m"] if v <= max(16, pow2_ceil(m)) or v == heuristic.block_m)
+  return space
+
+
+def candidate_space(m: int, n: int, k: int, block_size: tuple[int, int], *,
+                    num_sms: int = 132) -> list[TritonGemmConfig]:
+  """Every config of the search space that can run, one per launch, nearest to the heuristic first (see the module
+  docstring); empty when no Triton config can serve `block_size`."""
   heuristic = gemm.triton.heuristic_config(m, n, k, block_size, num_sms=num_sms)
   if heuristic is None:
     return []
-  h_split = heuristic.split_k
-  splits = sorted({1, max(1, h_split // 2), h_split, min(32, 2 * h_split)})
-  out = [heuristic]
-  if m <= 64:
-    bm = heuristic.block_m
-    # Row tiles narrower than M first (untried before session 6): at M=16, 16-row tiles ran DeepSeek dense_down in
-    # 37.7 us, at M=64 the 64-row ones take 55.8. Several row tiles then share each weight tile; group_m=8 has them
-    # sweep the columns together, so that they read it from L2 rather than each from HBM.
-    for narrow in (16, 32):
-      if narrow < bm:
-        for split in splits:
-          out.append(TritonGemmConfig(narrow, 64, 128, 8, 4, 3, split, True))
-    for stages in (3, 4, 6):
-      for split in splits:
-        out.append(TritonGemmConfig(bm, 64, 128, 1, 4, stages, split, True))
-    # Around the session-7 winners (32x64 g8 s3 swap at M=64): deeper pipelines and wider weight tiles, which read
-    # the activations from L2 half as often.
-    for split in splits:
-      for narrow in (16, 32):
-        if narrow < bm:
-          out.append(TritonGemmConfig(narrow, 64, 128, 8, 4, 4, split, True))
-          out.append(TritonGemmConfig(narrow, 128, 128, 8, 4, 3, split, True))
-    # Session 10: after the scale changes of session 9, plain (unswapped) 64-row tiles won at M=64.
-    for split in splits:
-      for bn, stages in ((64, 3), (64, 5), (128, 3)):
-        out.append(TritonGemmConfig(bm, bn, 128, 1, 4, stages, split, False))
-    # Session 11: every split from 1 to 8 for the winners' shape, so that the program count can fit the SMs' slots
-    # (at M=64 on Qwen3 qkv, 320 programs of 20 K steps left 56 SMs with three programs and 76 with two).
-    for split in range(1, 9):
-      out.append(TritonGemmConfig(bm, 64, 128, 1, 4, 3, split, False))
-      out.append(dataclasses.replace(heuristic, split_k=split))
-    for split in splits:
-      out.append(TritonGemmConfig(bm, 128, 128, 1, 4, 4, split, True))
-      out.append(TritonGemmConfig(bm, 128, 128, 1, 8, 4, split, True))
-      out.append(TritonGemmConfig(bm, 64, 256, 1, 4, 3, split, True))
-      out.append(TritonGemmConfig(bm, 64, 128, 1, 4, 4, split, False))
-      out.append(TritonGemmConfig(bm, 128, 128, 1, 4, 4, split, False))
-  elif m <= 256:
-    for split in sorted({1, h_split}):
-      for bm, bn, bk, warps, stages in ((64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (128, 128, 128, 8, 3),
-                                        (128, 64, 128, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 8, 4),
-                                        (64, 128, 256, 4, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 3),
-                                        (64, 128, 128, 4, 2), (64, 64, 128, 4, 3)):
-        out.append(TritonGemmConfig(bm, bn, bk, 8, warps, stages, split, False))
-  else:
-    for split in sorted({1, h_split}):
-      for bm, bn, bk, group_m, warps, stages in (
-          (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 8, 5), (128, 256, 128, 8, 8, 3), (256, 128, 128, 8, 8, 3),
-          (128, 128, 256, 8, 8, 2), (128, 128, 256, 8, 8, 3), (128, 128, 128, 16, 8, 3), (128, 128, 128, 4, 8, 3),
-          (64, 128, 128, 8, 4, 4), (128, 64, 128, 8, 4, 4), (128, 256, 128, 8, 8, 4), (64, 256, 128, 8, 8, 4),
-          # Around the session-2 winner (128x128x256 w8 s3): other tile orders and a taller tile.
-          (128, 128, 256, 16, 8, 3), (128, 128, 256, 4, 8, 3), (256, 128, 256, 8, 8, 2),
-          # Around the session-4 winner for the largest weights (64x128x128 w4 s4), untried since session 9's scale
-          # changes shortened the loop body.
-          (64, 128, 128, 16, 4, 4), (64, 128, 128, 4, 4, 4), (64, 128, 128, 8, 4, 3), (64, 128, 128, 8, 4, 5),
-          (64, 256, 128, 8, 4, 3), (128, 128, 128, 8, 4, 4),
-          # Session 10: 64x128 w4 s3 took 8-11% less time than s4 at M=4096 (three programs per SM instead of two).
-          (64, 128, 128, 8, 4, 2), (64, 128, 128, 16, 4, 3), (64, 128, 128, 4, 4, 3), (128, 128, 128, 8, 4, 3),
-          (64, 64, 128, 8, 4, 3)):
-        out.append(TritonGemmConfig(bm, bn, bk, group_m, warps, stages, split, False))
-  # Two split counts that the kernel launches as the same one (split_k_steps trims) are one candidate.
-  seen, unique = set(), []
-  for config in out:
+  space = search_space(m, heuristic)
+  home = {axis: values.index(getattr(heuristic, axis)) for axis, values in space.items()}
+
+  def distance(config: TritonGemmConfig) -> int:
+    return sum(abs(values.index(getattr(config, axis)) - home[axis]) for axis, values in space.items())
+
+  configs = sorted((TritonGemmConfig(**dict(zip(space, values))) for values in itertools.product(*space.values())),
+                   key=distance)
+  seen, out = set(), []
+  for config in configs:
     launched = dataclasses.replace(config, split_k=split_k_steps(k, config)[1])
     if launched not in seen and not config_problems(config, block_size):
       seen.add(launched)
-      unique.append(config)
-  return unique[:max_configs]
+      out.append(config)
+  return out
+
+
+def candidate_configs(m: int, n: int, k: int, block_size: tuple[int, int], *, max_configs: int = 24,
+                      num_sms: int = 132) -> list[TritonGemmConfig]:
+  """The `max_configs` nearest configs of `candidate_space`, the heuristic first."""
+  return candidate_space(m, n, k, block_size, num_sms=num_sms)[:max_configs]
 
 
 # ---- the table -------------------------------------------------------------------------------------------------------
@@ -202,12 +199,14 @@ def _tune_entry(entries: dict, n: int, k: int, m: int, weights, key, *, block_si
   arg_sets = [(a_q, b_q, a_s, b_s) for (a_q, a_s), (b_q, b_s) in zip(acts, weights)]
   sample_rows, sample_blocks = results_io.sample_rows_and_blocks(m, n, block_size[0])
   expected, cols = bench_gemm.sample_reference(*arg_sets[0], block_size, sample_rows, sample_blocks)
-  candidates = candidate_configs(m, n, k, block_size, max_configs=max_configs, num_sms=num_sms)
-  # The entry this run would replace (from the output file, else the shipped table) is timed too, so that a
-  # re-tune never swaps an entry for a slower one.
+  space = candidate_space(m, n, k, block_size, num_sms=num_sms)
+  candidates, left_out = space[:max_configs], max(0, len(space) - max_configs)
   incumbent = _incumbent(entries, n, k, block_size, m)
   if incumbent is not None and incumbent not in candidates:
     candidates.insert(1, incumbent)
+  log(f"N={n} K={k} M={m}: {min(len(space), max_configs)} of the {len(space)} configs of the search space"
+      f"{' and the current entry' if incumbent is not None and incumbent not in space[:max_configs] else ''}"
+      + (f"; {left_out} left out by max_configs={max_configs}" if left_out else ""))
   start = time.monotonic()
   outcomes = _time_candidates(candidates, arg_sets, (expected, sample_rows, cols), f"N={n} K={k} M={m}",
                               block_size=block_size, iterations=iterations, interpret=interpret, log=log)
@@ -222,12 +221,13 @@ def _tune_entry(entries: dict, n: int, k: int, m: int, weights, key, *, block_si
       config=best["config"].to_dict(), us=round(best["us"], 3),
       tflops=round(2 * m * n * k / (best["us"] * 1e-6) / 1e12, 1),
       heuristic_us=None if heuristic_us is None else round(heuristic_us, 3), candidates=len(candidates),
-      failed=sum("error" in r for r in outcomes),
+      search_space=len(space), left_out=left_out, failed=sum("error" in r for r in outcomes),
       date=datetime.date.today().isoformat())
   log(f"N={n} K={k} M={m}: best {_short(best['config'])} {best['us']:.2f} us"
       + (f" (heuristic {heuristic_us:.2f} us)" if heuristic_us else "")
       + (f" (previous entry {incumbent_us:.2f} us)" if incumbent_us else "")
-      + f" [{len(candidates)} candidates in {time.monotonic() - start:.0f} s]")
+      + f" [{len(candidates)} candidates in {time.monotonic() - start:.0f} s"
+      + (f"; {left_out} of the search space left out]" if left_out else "]"))
 
 
 def tune(
