@@ -140,6 +140,27 @@ def test_plot_of_the_committed_gemm_and_tp_results(tmp_path, name, label_part, s
   assert Path(plot.plot_file(str(path), str(tmp_path / "p.png"))).stat().st_size > 10_000
 
 
+def test_plots_keep_one_colour_per_implementation_and_name_their_file(tmp_path):
+  pytest.importorskip("matplotlib")
+  import matplotlib
+  matplotlib.use("Agg")
+  from jaxfp8.tools import plot
+  colours = {}
+  for name in ("bench_h200.json", "quant_h200.json", "bench_gemm_s11_h200.json"):
+    path = ROOT / "benchmarks" / name
+    fig = plot.plot_result(json.loads(path.read_text()), source=str(path))
+    assert any(str(path) in text.get_text() for text in fig.texts), [t.get_text() for t in fig.texts]
+    for ax in fig.axes:
+      for line in ax.get_lines():
+        if line.get_label().startswith("_") or line.get_linestyle() != "-":
+          continue  # reference lines (peak, copy bandwidth)
+        colour = matplotlib.colors.to_hex(line.get_color())
+        assert colours.setdefault(line.get_label(), colour) == colour, line.get_label()
+  assert colours["mosaic"] == plot.COLORS["mosaic"] and colours["xla"] == plot.COLORS["xla"]
+  assert len(set(plot.COLORS.values())) == len(plot.COLORS)  # no two names share a colour
+  assert plot.color("some_new_baseline") == plot.color("some_new_baseline")
+
+
 def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
   """The GPU code path (CUPTI timer, measured copy bandwidth, datasheet peak) with CUPTI faked, on CPU."""
   from jaxfp8.tools import bench_quant, timing
