@@ -1,5 +1,6 @@
 """The command line, `python -m jaxfp8 COMMAND`: per-command help, the one parser of --shapes and --m, one-line errors
-where a command cannot run (checked in subprocesses on CPU, as a user sees them), and tune's search space."""
+where a command cannot run (checked in subprocesses on CPU, as a user sees them), tune's search space, and the
+scripts (each compiles and imports)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ast
 import dataclasses
 import json
 import os
+import py_compile
 import subprocess
 import sys
 from pathlib import Path
@@ -248,6 +250,30 @@ def test_tune_writes_only_where_told(tmp_path):
 
 
 # ---- scripts ---------------------------------------------------------------------------------------------------------
+
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+
+
+def test_every_script_compiles_and_imports(tmp_path):
+  for path in SCRIPTS:
+    py_compile.compile(str(path), cfile=str(tmp_path / (path.stem + ".pyc")), doraise=True)
+  for path in sorted((ROOT / "scripts").glob("*.sh")):
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, (path.name, proc.stderr)
+  # Importing runs nothing: every script's work is under `if __name__ == "__main__"`.
+  code = "\n".join([
+      "import importlib.util, sys",
+      "sys.path.insert(0, 'scripts')",
+      "for path in sys.argv[1:]:",
+      "  spec = importlib.util.spec_from_file_location(path.rsplit('/', 1)[-1][:-3].replace('-', '_'), path)",
+      "  module = importlib.util.module_from_spec(spec)",
+      "  spec.loader.exec_module(module)",
+      "print('imported', len(sys.argv) - 1)"])
+  proc = subprocess.run([sys.executable, "-c", code, *(str(p.relative_to(ROOT)) for p in SCRIPTS)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip().splitlines() == [f"imported {len(SCRIPTS)}"], proc.stdout[-3000:]
+
 
 def test_gpu_round_runs_only_commands_that_exist():
   text = (ROOT / "scripts" / "gpu_round.sh").read_text()
