@@ -148,7 +148,8 @@ def test_checks_fail_on_wrong_outputs():
   nudged = jax.lax.bitcast_convert_type(bits.at[2, 5].add(1), jnp.bfloat16)
   assert failed("column", nudged) == failed("column_gather", nudged) == {"bit_identical_to_single"}
   assert failed("row", nudged) == set()
-  # 1% off everywhere: beyond the row-parallel bound vs single and beyond SPEC's bound vs the reference.
+  # 1% off everywhere: beyond the row-parallel bound vs single and beyond the bf16 bound of docs/CONTRACT.md §2 vs
+  # the reference.
   assert failed("row", (single.astype(jnp.float32) * 1.01).astype(jnp.bfloat16)) == {
       "rel_err_vs_single", "rel_err_vs_reference"}
   # A NaN outside the sampled rows is caught by the full-output checks.
