@@ -124,9 +124,10 @@ for name in results:
     display(Markdown(table.read_text()))"""),
     new_markdown_cell("""## Plots
 Two representative shapes per file (the GEMM: a wide projection and a long-K down projection; the quantizer:
-K = 7168 and 18432), one line per implementation. Dashed: the roofline measured or quoted in the same run."""),
+K = 7168 and 18432), one line per implementation, in the same colour in every plot; each plot names its file.
+Dashed: the roofline measured or quoted in the same run."""),
     new_code_cell("""for name, result in results.items():
-  fig = jaxfp8_plot.plot_result(result)
+  fig = jaxfp8_plot.plot_result(result, source=f"benchmarks/{name}")
   plt.show()"""),
 ]
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxfp8 import _platform, gemm
 from jaxfp8.tools import bench, bench_gemm, timing
+from jaxfp8.tools.args import UsageError, parse_shapes
 
 BLOCK_SIZE = (128, 128)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -102,14 +103,18 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("out", help="JSON results file (rewritten after every shape)")
   parser.add_argument("--base_tree", required=True, help="the source tree to compare against, e.g. a worktree")
   parser.add_argument("--implementation", choices=("mosaic", "triton"), required=True)
-  parser.add_argument("--shapes", required=True, help='"M,N,K;M,N,K": N and K multiples of 128')
+  parser.add_argument("--shapes", required=True, help='"M,N,K;M,N,K" (jaxfp8.tools.args): N and K multiples of 128')
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--interpret", action="store_true", help="CPU smoke run: interpret mode, wall clock")
   args = parser.parse_args(argv)
-  shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";") if s]
-  if any(len(s) != 3 for s in shapes):
-    parser.error(f"--shapes must be M,N,K triples separated by ';', got {args.shapes!r}")
+  try:
+    parsed = parse_shapes(args.shapes)
+  except UsageError as e:
+    parser.error(str(e))
+  if any(not s.ms for s in parsed):
+    parser.error(f"--shapes: every item needs its M (M,N,K), got {args.shapes!r}")
+  shapes = [(m, s.n, s.k) for s in parsed for m in s.ms]
   base = load_module(args.base_tree, args.implementation, f"base_gemm_{args.implementation}")
   new = load_module(str(ROOT), args.implementation, f"new_gemm_{args.implementation}")
   result = {"description": f"{args.implementation} GEMM kernel: this tree (new) vs {args.base_tree} (base), "

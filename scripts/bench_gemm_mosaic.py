@@ -1,11 +1,10 @@
-"""GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (pallas_kernels/gemm_mosaic.py).
+"""GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (jaxfp8/kernels/gemm_mosaic.py).
 
   python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick] [--shapes N,K;N,K] [--m 1,16,64]
-                                              [--only decode|medium|prefill|wg3|wg3_tune|small_prefill|cols|choices] [--unscaled]
-                                              [--torch]
+      [--only decode|medium|prefill|wg3|wg3_tune|small_prefill|cols|choices] [--unscaled] [--torch]
 
-(a) every candidate config against an f32 XLA computation of SPEC 2 at a few odd shapes (partial row tiles, bias);
-(b) CUPTI kernel times (jaxfp8.timing.median_kernel_us) at M in {1, 16, 64, 256, 1024, 4096} for (N, K) =
+(a) every candidate config against an f32 XLA computation of docs/CONTRACT.md §2 at a few odd shapes (partial row tiles, bias);
+(b) CUPTI kernel times (jaxfp8.tools.timing.median_kernel_us) at M in {1, 16, 64, 256, 1024, 4096} for (N, K) =
 (24576, 7168) and (7168, 2048): the heuristic's choice first, then the sweep candidates, and the cuBLASLt FP8 GEMM
 (XLA dot_general, per-tensor scales, no block scales) as a yardstick. Prints TFLOP/s and, for M <= 64, the ratio to
 the weight-streaming floor (weight bytes / 4.3 TB/s). A config that fails to compile or run is logged and skipped.
@@ -14,10 +13,10 @@ Stops starting new measurements once --budget_s is spent, and writes the JSON (w
 --unscaled adds a diagnostic row per prefill shape: the heuristic's config with the block-scale promotion taken out
 (the wgmmas accumulate across all of K in their own accumulator, waited once per step: a plain per-tensor FP8 GEMM in
 the same TMA pipeline, warp specialization and epilogue). Its gap to the default row is what the per-128-K promotion
-costs; its gap to cuBLASLt is the pipeline's own. Not SPEC's math: its output is checked against the unscaled f32
+costs; its gap to cuBLASLt is the pipeline's own. Not the contract's math: its output is checked against the unscaled f32
 product of the same codes instead (the row's rel_err_vs_unscaled_product).
---torch adds torch `_scaled_mm` blockwise (cuBLASLt, issue 4's yardstick) to pass 1, timed by the benchmark's own
-runner (jaxfp8.bench_gemm) on the same operands, so that the rows above compare with it within one run.
+--torch adds torch `_scaled_mm` blockwise (cuBLASLt, the GEMM's yardstick) to pass 1, timed by the benchmark's own
+runner (jaxfp8.tools.bench_gemm) on the same operands, so that the rows above compare with it within one run.
 """
 
 from __future__ import annotations
@@ -37,11 +36,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from jaxfp8 import _platform
-from jaxfp8.tools import results as _bench_io, bench_gemm, timing
+from jaxfp8.gemm import mosaic as policy  # the Mosaic GEMM's schedule policy
+from jaxfp8.tools import results as results_io, bench_gemm, timing
+from jaxfp8.tools.args import UsageError, parse_ms, parse_shapes
 from jaxfp8.kernels import gemm_mosaic as gm
 from jaxfp8.kernels.gemm_mosaic import Dim, MosaicGemmConfig
 
-HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (PALLAS_NOTES.md)
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (benchmarks/README.md)
 L2_BYTES = 60 << 20
 TIMED_SHAPES = [(24576, 7168), (7168, 2048)]
 TIMED_M = [1, 16, 64, 256, 1024, 4096]
@@ -112,7 +113,7 @@ THREE_WGS_TUNE = {
     "p128x256_n_s4_clN": C(tile_m=128, tile_n=256, max_concurrent_steps=4, wg_split=Dim.N, cluster_dim=Dim.N),
     "p128x256_n_s4_clM": PREFILL["p128x256_n_s4_clM"],
 }
-# M = 128-256, where the weight read and the math take about as long (session 7: Mosaic 0.83-0.88x torch blockwise
+# M = 128-256, where the weight read and the math take about as long (measured: Mosaic 0.83-0.88x torch blockwise
 # at M=128 on q_proj and Qwen3 qkv, 0.86-0.88x at M=256): the decode schedule (one consumer warpgroup, a CTA per
 # tile, 64-row tiles so that M=128 has two row tiles) and one warpgroup over 128 rows, beside the medium schedules.
 SMALL_PREFILL = {
@@ -136,7 +137,7 @@ def balanced_widths(n: int, row_tiles: int = 1, num_sms: int = 132, count: int =
   per-column-scale candidates of `--only cols`."""
   tiles = lambda w: row_tiles * (n // w)
   widths = [w for w in range(min_width, 257, 8) if n % w == 0 and tiles(w) <= max_waves * num_sms]
-  return sorted(widths, key=lambda w: (-round(gm._balance(tiles(w), num_sms), 2), -w))[:count]
+  return sorted(widths, key=lambda w: (-round(policy._balance(tiles(w), num_sms), 2), -w))[:count]
 
 
 def cols_candidates(m: int, n: int) -> dict[str, MosaicGemmConfig]:
@@ -160,7 +161,7 @@ def cols_candidates(m: int, n: int) -> dict[str, MosaicGemmConfig]:
 
 
 def _fit(config: MosaicGemmConfig, out_dtype=jnp.bfloat16) -> MosaicGemmConfig:
-  return gm._fit_smem(config, out_dtype, 1 << 20)
+  return policy._fit_smem(config, out_dtype, 1 << 20)
 
 
 def _problem(key, m, n, k, num_weight_sets=1):
@@ -266,8 +267,9 @@ def check_configs(results: dict, deadline: float, candidates: dict[str, MosaicGe
         problems[m, n, k] = (a_q, b_q, a_s, b_s, bias), _reference_f32(a_q, b_q, a_s, b_s, bias)
       inputs, expect = problems[m, n, k]
       try:
+        cfg = cfg or _default(m, n, k, out_dtype)
         out = jax.jit(lambda *xs, cfg=cfg, out_dtype=out_dtype: gm.block_fp8_matmul(
-            *xs[:4], bias=xs[4], out_dtype=out_dtype, config=cfg))(*inputs)
+            *xs[:4], bias=xs[4], out_dtype=out_dtype, config=cfg, num_sms=_platform.num_sms()))(*inputs)
         out32 = out.astype(jnp.float32)
         err = float(jnp.linalg.norm(out32 - expect.astype(out_dtype).astype(jnp.float32)) / jnp.linalg.norm(expect))
         finite = bool(jnp.isfinite(out32).all())
@@ -293,8 +295,8 @@ def _configs_for(m: int, n: int, only: str | None = None) -> dict[str, MosaicGem
   """The sweep candidates for row count m and N (`only` picks one group regardless of m)."""
   if only == "cols":
     return cols_candidates(m, n)
-  if only == "choices":  # every schedule gm.default_config weighed for this shape (M > 64)
-    return {_config_name(c): c for _, c in gm.prefill_candidates(m, n, _platform.num_sms())}
+  if only == "choices":  # every schedule policy.default_config weighs for this shape (M > 64)
+    return {_config_name(c): c for _, c in policy.prefill_candidates(m, n, _platform.num_sms())}
   if only is not None:
     return GROUPS[only]
   if m <= 64:
@@ -304,9 +306,14 @@ def _configs_for(m: int, n: int, only: str | None = None) -> dict[str, MosaicGem
   return PREFILL
 
 
-def _launcher(config: MosaicGemmConfig | None):
+def _default(m: int, n: int, k: int, out_dtype=jnp.bfloat16) -> MosaicGemmConfig:
+  """The schedule the library picks for a_q of m rows on this GPU."""
+  return policy.default_config(m, n, k, out_dtype, num_sms=_platform.num_sms())
+
+
+def _launcher(config: MosaicGemmConfig):
   def fn(a_q, b_q, a_s, b_s):
-    return gm.block_fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=jnp.bfloat16, config=config)
+    return gm.block_fp8_matmul(a_q, b_q, a_s, b_s, out_dtype=jnp.bfloat16, config=config, num_sms=_platform.num_sms())
   return jax.jit(fn)
 
 
@@ -364,7 +371,7 @@ def time_configs(results: dict, deadline: float, quick: bool, shapes=TIMED_SHAPE
       return
     a_q, a_s = activations[m, k]
     arg_sets = [(a_q, b_q, a_s, b_s) for b_q, b_s in weights[n, k]]
-    rows, blocks = _bench_io.sample_rows_and_blocks(m, n, 128)
+    rows, blocks = results_io.sample_rows_and_blocks(m, n, 128)
     expected, cols = bench_gemm.sample_reference(*arg_sets[0], (128, 128), rows, blocks)
 
     def record(name, us=None, err=None, error=None, note=None):
@@ -380,13 +387,13 @@ def time_configs(results: dict, deadline: float, quick: bool, shapes=TIMED_SHAPE
 
   for n, k in shapes:
     for m in ms:
-      measure(m, n, k, "default", gm.default_config(m, n, k))
+      measure(m, n, k, "default", _default(m, n, k))
       measure(m, n, k, "xla_fp8_dot", "xla")
       if torch_mm is not None:
         measure_torch(m, n, k)
       if unscaled and m > gm.WGMMA_M:
         with unscaled_promotion():
-          measure(m, n, k, "default_unscaled", gm.default_config(m, n, k))
+          measure(m, n, k, "default_unscaled", _default(m, n, k))
   if quick:
     return
   for m in ms:
@@ -417,18 +424,21 @@ def main() -> int:
   parser.add_argument("--budget_s", type=float, default=200.0, help="stop starting new measurements after this")
   parser.add_argument("--quick", action="store_true", help="time only the heuristic's config")
   parser.add_argument("--skip_checks", action="store_true")
-  parser.add_argument("--shapes", default=None, help="N,K pairs separated by ';' (default: 24576,7168;7168,2048)")
+  parser.add_argument("--shapes", default=None, help="N,K pairs or shapes.json names separated by ';' "
+                      "(jaxfp8.tools.args; default: 24576,7168;7168,2048)")
   parser.add_argument("--m", default=None, help="comma-separated M values (default: 1,16,64,256,1024,4096)")
   parser.add_argument("--only", choices=(*GROUPS, "cols", "choices"), default=None,
                       help="sweep this candidate group at every M instead of the group for each M (cols: the "
                            "balanced per-column-scale widths of each N, decode or 128-row tiles by M; choices: "
-                           "every schedule gemm_mosaic.default_config weighs at M > 64)")
+                           "every schedule jaxfp8.gemm.mosaic.default_config weighs at M > 64)")
   parser.add_argument("--unscaled", action="store_true", help="add the no-promotion diagnostic rows (docstring)")
   parser.add_argument("--torch", action="store_true", help="add torch _scaled_mm blockwise rows (docstring)")
   args = parser.parse_args()
-  shapes = TIMED_SHAPES if args.shapes is None else [
-      tuple(int(v) for v in pair.split(",")) for pair in args.shapes.split(";")]
-  ms = TIMED_M if args.m is None else [int(v) for v in args.m.split(",")]
+  try:
+    shapes = TIMED_SHAPES if args.shapes is None else [(s.n, s.k) for s in parse_shapes(args.shapes)]
+    ms = TIMED_M if args.m is None else list(parse_ms(args.m))
+  except UsageError as e:
+    parser.error(str(e))
   start = time.monotonic()
   if not _platform.is_hopper():
     print(f"needs a Hopper GPU; found {jax.devices()}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
   python scripts/bench_weight_read.py OUT.json [--shapes "N,K;N,K"]
 
-The issues' floor is weight bytes / 4.3 TB/s (`jaxfp8.bench_gemm.HBM_BYTES_PER_S`). A whole-weight reduction in
+The issues' floor is weight bytes / 4.3 TB/s (`jaxfp8.tools.bench_gemm.HBM_BYTES_PER_S`). A whole-weight reduction in
 XLA (one fused reduce kernel reading the weight once as 32-bit words and writing only its row or column sums) shows
 what a streaming kernel actually reaches on each weight, fixed costs (ramp-up, the tail) included. CUPTI kernel
 times, rotating over as many weight copies as the GEMM benchmark (`rotation_sets`), so that none is read from L2.
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfp8.tools import timing
+from jaxfp8.tools.args import UsageError, parse_shapes
 from jaxfp8.tools.bench_gemm import HBM_BYTES_PER_S, rotation_sets
 
 DEFAULT_SHAPES = [(24576, 7168), (7168, 18432), (10240, 5120), (7168, 2048), (5120, 25600)]
@@ -34,9 +35,13 @@ READERS = {
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("out")
-  parser.add_argument("--shapes", default=None, help='"N,K;N,K" (default: the decode shapes of the benchmarks)')
+  parser.add_argument("--shapes", default=None,
+                      help='"N,K;N,K" or shapes.json names (jaxfp8.tools.args; default: the benchmarks\' decode shapes)')
   args = parser.parse_args(argv)
-  shapes = ([tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else DEFAULT_SHAPES)
+  try:
+    shapes = [(s.n, s.k) for s in parse_shapes(args.shapes)] if args.shapes else DEFAULT_SHAPES
+  except UsageError as e:
+    parser.error(str(e))
   rows = []
   for n, k in shapes:
     weight_bytes = n * k

@@ -1,35 +1,40 @@
 #!/usr/bin/env bash
 # The standard GPU round. One device call can hold about 10 minutes, so the round is split into phases:
 #   scripts/gpu_round.sh PHASE [PHASE ...]        e.g.  scripts/gpu_round.sh tests-quant bench-quant
-# Phases (rough H200 wall times measured 2026-11-29):
+# Phases (rough H200 wall times as measured):
 #   tests-all     the quant, GEMM, linear and extremes tests at once in two pytest-xdist groups sharing the GPU
 #                 (TEST_WORKERS, default 4, and 2 more; the image has pytest-xdist): compiling is the slow part.
-#                 2026-11-29 on an H200 with TEST_WORKERS=8: GEMM group 3 min, quant+linear group 3.5 min
+#                 With TEST_WORKERS=8: GEMM group 3 min, quant+linear group 3.5 min
 #   tests-quant   tests/test_quant.py + tests/test_quant_mosaic.py natively (~4-5 min)
 #   tests-gemm    GPU-marked GEMM tests, Triton and Mosaic, TEST_WORKERS (default 4) xdist workers (serially
-#                 they passed 330 s at 52% in session 8; the Mosaic file alone took 150 s with 4 workers)
+#                 they got 52% through in 330 s; the Mosaic file alone took 150 s with 4 workers)
 #   tests-linear  linear, weights, nn, sharding tests
 #   bench         python -m jaxfp8 bench: GEMM and linear with every baseline in one run, the committed results
 #                 (BENCH_ARGS overrides DeepSeek-V3 q_proj_no_lora and dense_down and Qwen3-32B qkv_proj x M=1..4096;
-#                 7.5 min alone on the GPU on 2026-11-29; --time_budget_s=490 stops it between shapes if slower; the
-#                 quantizer has its own phase, bench-quant)
+#                 7.5 min alone on the GPU; --time_budget_s=490 stops it between shapes if slower; the quantizer has
+#                 its own phase, bench-quant)
 #   bench-gemm-decode   the GEMM part of bench at every M of shapes.json's m_decode (1..256), one run
 #   bench-gemm-prefill  the same at every M of m_prefill (512..8192), one run. Together they are the issues'
 #                 benchmark; all 14 M in one run would need about 12 minutes, more than a device call (BENCH_ALL_ARGS
 #                 overrides the models; each stops between shapes at 520 s: use PHASE_TIMEOUT=590)
-#   bench-quant   python -m jaxfp8 bench_quant (~2 min)
+#   bench-quant   python -m jaxfp8 bench --ops=quant at the quantizer's widths K = 512..18432 and M = 1..16384
+#                 (~2 min; BENCH_QUANT_ARGS overrides them)
 #   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   ncu-gemm      Nsight Compute, every section, on one call of the Mosaic GEMM and one of cuBLASLt's per-tensor FP8
 #                 GEMM at M=4096 N=24576 K=7168 (scripts/ncu_gemm.py; NCU_ARGS adds ncu options, NCU_SHAPE script
-#                 options): 20 s on an H200 in session 8 (benchmarks/ncu_gemm_h200_full.log)
-#   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json (TUNE_ARGS overrides)
-#   bench-gemm    python -m jaxfp8 bench_gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set BENCH_GEMM_ARGS)
-#   bench-linear  python -m jaxfp8 bench_linear
-#   tp            python -m jaxfp8.bench_tp over every visible GPU (needs 2 or more): column- and row-parallel
+#                 options): 20 s on an H200 (benchmarks/ncu_gemm_h200_full.log)
+#   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json, started from a copy of the
+#                 shipped table so that its other entries stay (TUNE_ARGS overrides the shapes, M and --max_configs;
+#                 copy the result into jaxfp8/gemm/configs/ by hand)
+#   bench-gemm    python -m jaxfp8 bench --ops=gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set
+#                 BENCH_GEMM_ARGS)
+#   bench-linear  python -m jaxfp8 bench --ops=linear on DeepSeek-V3 and Qwen3-32B at decode and prefill M
+#                 (BENCH_LINEAR_ARGS overrides)
+#   tp            python -m jaxfp8 tp over every visible GPU (needs 2 or more): column- and row-parallel
 #                 DeepSeek-V3 linears checked against one GPU and timed against it (TP_ARGS; stops at 420 s)
 #   fuzz-gpu      tests/test_fuzz.py with JAXFP8_FUZZ_PROFILE=gpu, TEST_WORKERS (default 8) xdist workers: every
 #                 property at its full count (gemm_xla's 300 as six tests of 50, one per block size) in 172 s on one
-#                 H200 (session 9); JAXFP8_FUZZ_GPU_SCALE=0.5 halves the counts
+#                 H200; JAXFP8_FUZZ_GPU_SCALE=0.5 halves the counts
 #   reliability-determinism  scripts/determinism.py: 20 runs of every kernel, bit-identical (not timed yet)
 #   reliability-sanitize     scripts/sanitize.sh: compute-sanitizer memcheck/racecheck/initcheck/synccheck over every
 #                            kernel (slow: set SANITIZE_TOOLS="memcheck" etc. to split it over device calls)
@@ -104,12 +109,15 @@ for phase in "${phases[@]}"; do
              --m=1,2,4,8,16,32,64,128,256 --time_budget_s=520 --out="$out/bench_gemm_decode_h200.json" ;;
     bench-gemm-prefill) run bench_gemm_prefill python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:-$gemm_models} \
              --m=512,1024,2048,4096,8192 --time_budget_s=520 --out="$out/bench_gemm_prefill_h200.json" ;;
-    bench-quant) run bench_quant python3 -m jaxfp8 bench_quant --out="$out/quant_h200.json" ;;
-    bench-gemm) run bench_gemm python3 -m jaxfp8 bench_gemm ${BENCH_GEMM_ARGS:-} --out "$out/gemm_h200.json" ;;
+    bench-quant) run bench_quant python3 -m jaxfp8 bench --ops=quant ${BENCH_QUANT_ARGS:---k=512,2048,7168,18432 \
+                   --m=1,16,64,256,1024,4096,16384} --out="$out/quant_h200.json" ;;
+    bench-gemm) run bench_gemm python3 -m jaxfp8 bench --ops=gemm ${BENCH_GEMM_ARGS:-} --out="$out/gemm_h200.json" ;;
     notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb ;;
-    tune) run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
-    bench-linear) run bench_linear python3 -m jaxfp8.tools.bench_linear --out="$out/linear_h200.json" ;;
-    tp) run bench_tp python3 -m jaxfp8.tools.bench_tp --out="$out/tp_h200.json" ${TP_ARGS:-} ;;
+    tune) cp jaxfp8/gemm/configs/triton_gemm_h200.json "$out/triton_gemm_h200.json"
+          run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
+    bench-linear) run bench_linear python3 -m jaxfp8 bench --ops=linear \
+                    ${BENCH_LINEAR_ARGS:---models=deepseek_v3,qwen3_32b --m=1,16,64,512,4096} --out="$out/linear_h200.json" ;;
+    tp) run tp python3 -m jaxfp8 tp --out="$out/tp_h200.json" ${TP_ARGS:-} ;;
     fuzz-gpu) JAXFP8_FUZZ_PROFILE=gpu run fuzz_gpu python3 -m pytest tests/test_fuzz.py -n "${TEST_WORKERS:-8}" \
                 "${parallel_args[@]}" --junitxml="$out/fuzz_gpu.junit.xml" ;;
     correctness)

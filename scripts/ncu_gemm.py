@@ -16,9 +16,8 @@ import os
 
 import jax
 
-from jaxfp8 import gemm
+from jaxfp8 import _platform, gemm
 from jaxfp8.tools import bench_gemm
-from jaxfp8.kernels import gemm_mosaic as gm
 
 BLOCK_SIZE = (128, 128)
 
@@ -50,7 +49,9 @@ def main():
   b_q, b_s = bench_gemm.make_weight(jax.random.key(1), n, k, BLOCK_SIZE)
   names = args.contenders.split(",")
   contenders = [bench_gemm.jax_contender(name, BLOCK_SIZE) for name in names]
-  configs = {"mosaic": lambda: gm.default_config(m, n, k), "triton": lambda: gemm.triton_config(m, n, k, BLOCK_SIZE)}
+  configs = {"mosaic": lambda: gemm.mosaic.default_config(m, n, k, num_sms=_platform.num_sms()),
+             "triton": lambda: gemm.triton.get_config(m, n, k, BLOCK_SIZE, device_kind=jax.devices()[0].device_kind,
+                                                      num_sms=_platform.num_sms())}
   for name in names:
     if name in configs:
       print(f"{name} config:", configs[name](), flush=True)

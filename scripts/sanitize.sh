@@ -14,7 +14,7 @@
 set -u -o pipefail
 out=${OUT:-gpu_out}/sanitize; mkdir -p "$out"
 # No XLA autotuning: its comparison kernel (xla_fp_comparison) reads candidate outputs it never initialized, which
-# initcheck reported by the thousand on the H200 (2026-11-29); our kernels run the same either way.
+# initcheck reported by the thousand on the H200; our kernels run the same either way.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false \
   XLA_PYTHON_CLIENT_ALLOCATOR=platform TF_CPP_MIN_LOG_LEVEL=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 tools=("$@"); [[ ${#tools[@]} -eq 0 ]] && tools=(memcheck racecheck initcheck synccheck)

@@ -6,7 +6,7 @@
 A split-K call is two kernels, the Pallas GEMM writing f32 partials and XLA's reduction of them; ab_gemm.py and the
 tuner time their sum. This prints each kernel's median apart (and the call's multiple of the weight-streaming floor),
 then times XLA's reduction of random partials written as `sum(axis=0)` against a chain of adds, to see whether the
-reduction could be cheaper. Configs: "table" (the shipped table or heuristic, `jaxfp8.gemm.triton_config`) or
+reduction could be cheaper. Configs: "table" (the shipped table or heuristic, `jaxfp8.gemm.triton.get_config`) or
 block_m,block_n,block_k,group_m,num_warps,num_stages,split_k,swap_ab. Needs a GPU.
 """
 
@@ -18,8 +18,9 @@ import json
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import gemm
+from jaxfp8 import _platform, gemm
 from jaxfp8.tools import bench_gemm, timing
+from jaxfp8.tools.args import UsageError, parse_shapes
 from jaxfp8.kernels import gemm_triton
 
 BLOCK_SIZE = (128, 128)
@@ -32,7 +33,8 @@ def per_kernel_us(fn, arg_sets, iterations: int) -> tuple[float, dict[str, float
 
 def parse_config(text: str, m: int, n: int, k: int) -> gemm_triton.TritonGemmConfig:
   if text == "table":
-    return gemm.triton_config(m, n, k, BLOCK_SIZE)
+    return gemm.triton.get_config(m, n, k, BLOCK_SIZE, device_kind=jax.devices()[0].device_kind,
+                                  num_sms=_platform.num_sms())
   fields = [int(v) for v in text.split(",")]
   return gemm_triton.TritonGemmConfig(*fields[:7], bool(fields[7]))
 
@@ -44,9 +46,14 @@ def main() -> None:
   parser.add_argument("--configs", default="table")
   parser.add_argument("--iterations", type=int, default=60)
   args = parser.parse_args()
+  try:
+    parsed = parse_shapes(args.shapes)
+  except UsageError as e:
+    parser.error(str(e))
+  if any(not s.ms for s in parsed):
+    parser.error(f"--shapes: every item needs its M (M,N,K), got {args.shapes!r}")
   rows = []
-  for shape in args.shapes.split(";"):
-    m, n, k = (int(v) for v in shape.split(","))
+  for m, n, k in [(m, s.n, s.k) for s in parsed for m in s.ms]:
     a_q, a_s = bench_gemm.make_activation(jax.random.key(m), m, k, BLOCK_SIZE[1])
     weights = [bench_gemm.make_weight(jax.random.key(n + k + i), n, k, BLOCK_SIZE)
                for i in range(bench_gemm.rotation_sets(n * k, m * k))]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfp8.tools import bench, timing
+from jaxfp8.tools import args, bench, timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def test_bench_command_on_a_tiny_shape_list(tmp_path):
   assert "say nothing about GPU speed" in proc.stdout and "wall us" in proc.stdout
   result = json.loads(out.read_text())
   assert result["complete"] and result["cpu_warning"] and "WALL-CLOCK" in result["timing"]
-  assert result["command"].startswith("python -m jaxfp8 bench --shapes=") and result["seed"] == 3
+  assert result["command"].startswith("python -m jaxfp8 bench '--shapes=1,256,512;") and result["seed"] == 3
   for key in ("date", "device", "jax_version", "copy_bandwidth_tbps", "implementations"):
     assert result[key]
   assert result["ms_by_shape"] == {"256x512": [1, 8], "128x256": [4]}
@@ -65,31 +65,24 @@ def test_time_budget_leaves_an_incomplete_json(tmp_path):
   assert "INCOMPLETE" in (tmp_path / "cut.md").read_text()
 
 
-def test_parse_shapes_and_problems():
-  assert bench.parse_shapes("24576,7168; 576,7168") == [("24576x7168", 24576, 7168), ("576x7168", 576, 7168)]
-  shapes, ms = bench.parse_mnk("64,24576,7168;4096,24576,7168;1,576,7168")
-  assert shapes == [("24576x7168", 24576, 7168), ("576x7168", 576, 7168)]
-  assert ms == {"24576x7168": [64, 4096], "576x7168": [1]}
-  assert bench.parse_mnk("24576,7168") is None
-  for bad in ("1,2,3,4", "0,128", "a,b"):
-    with pytest.raises(ValueError):
-      bench.parse_shapes(bad)
-
-
-def test_model_shapes_and_implementation_names():
-  dsv3 = bench.model_shapes(["deepseek_v3"])
-  assert ("deepseek_v3.q_proj_no_lora", 24576, 7168) in dsv3 and len(dsv3) == 11
-  assert not [s for s in bench.model_shapes(["all"]) if s[0].startswith("unaligned")]
-  two = bench.model_shapes(["deepseek_v3.q_proj_no_lora", "qwen3_32b.down_proj", "deepseek_v3.q_proj_no_lora"])
-  assert two == [("deepseek_v3.q_proj_no_lora", 24576, 7168), ("qwen3_32b.down_proj", 5120, 25600)]
-  with pytest.raises(ValueError, match="no_such_model"):
-    bench.model_shapes(["no_such_model"])
+def test_implementation_names():
   chosen = bench.select_implementations(["dequant_bf16", "xla"], ["gemm", "linear", "quant"], on_gpu=False)
   assert chosen == {"gemm": ["xla", "dequant_bf16"], "linear": ["dequant_bf16"], "quant": ["xla"]}
   with pytest.raises(ValueError, match="cuda_magic"):
     bench.select_implementations(["cuda_magic"], ["gemm"], on_gpu=False)
   cpu = bench.select_implementations(None, ["gemm", "quant"], on_gpu=False)
   assert "torch_scaled_mm" not in cpu["gemm"] and "mosaic" not in cpu["quant"] and "xla" in cpu["quant"]
+  if not bench._platform.is_hopper():  # asked for by name, what cannot run here is refused, not an ERROR row
+    with pytest.raises(args.CommandError, match="mosaic needs a Hopper GPU"):
+      bench.select_implementations(["mosaic", "xla"], ["gemm"], on_gpu=False)
+
+
+def test_steps_run_the_quantizer_once_per_k():
+  shapes = [("a", 256, 512), ("b", 128, 512), ("c", 256, 1024)]
+  todo = bench.steps(["gemm", "quant"], shapes, [1, 8], {"b": [4]}, None)
+  assert todo == [("gemm", ("a", 256, 512), [1, 8]), ("gemm", ("b", 128, 512), [4]),
+                  ("gemm", ("c", 256, 1024), [1, 8]), ("quant", 512, [1, 4, 8]), ("quant", 1024, [1, 8])]
+  assert bench.steps(["quant"], shapes, [2], {}, [7168, 2048]) == [("quant", 2048, [2]), ("quant", 7168, [2])]
 
 
 def test_roofline_and_speedup_arithmetic():
@@ -145,6 +138,27 @@ def test_plot_of_the_committed_gemm_and_tp_results(tmp_path, name, label_part, s
   assert label_part in label and plot.pick_shapes(panels, sizes) == shapes
   assert set(panels[shapes[0]]) == lines
   assert Path(plot.plot_file(str(path), str(tmp_path / "p.png"))).stat().st_size > 10_000
+
+
+def test_plots_keep_one_colour_per_implementation_and_name_their_file(tmp_path):
+  pytest.importorskip("matplotlib")
+  import matplotlib
+  matplotlib.use("Agg")
+  from jaxfp8.tools import plot
+  colours = {}
+  for name in ("bench_h200.json", "quant_h200.json", "bench_gemm_s11_h200.json"):
+    path = ROOT / "benchmarks" / name
+    fig = plot.plot_result(json.loads(path.read_text()), source=str(path))
+    assert any(str(path) in text.get_text() for text in fig.texts), [t.get_text() for t in fig.texts]
+    for ax in fig.axes:
+      for line in ax.get_lines():
+        if line.get_label().startswith("_") or line.get_linestyle() != "-":
+          continue  # reference lines (peak, copy bandwidth)
+        colour = matplotlib.colors.to_hex(line.get_color())
+        assert colours.setdefault(line.get_label(), colour) == colour, line.get_label()
+  assert colours["mosaic"] == plot.COLORS["mosaic"] and colours["xla"] == plot.COLORS["xla"]
+  assert len(set(plot.COLORS.values())) == len(plot.COLORS)  # no two names share a colour
+  assert plot.color("some_new_baseline") == plot.color("some_new_baseline")
 
 
 def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):

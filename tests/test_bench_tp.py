@@ -1,4 +1,4 @@
-"""`python -m jaxfp8.tools.bench_tp`: the tensor-parallel check + benchmark.
+"""`python -m jaxfp8 tp`: the tensor-parallel check + benchmark.
 
 On CPU the command runs end to end in a subprocess on 2 simulated devices (XLA_FLAGS must be set before JAX starts)
 on tiny shapes: the XLA path as dispatch picks it, and the Triton kernels interpreted. The checks themselves are shown
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jaxfp8 import linear
-from jaxfp8.tools import bench, bench_tp
+from jaxfp8.tools import args, cli, tp, tp_checks, tp_report
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = {
@@ -33,12 +33,12 @@ CHECK_NAMES = {
 }
 
 
-def _run_command(args: list[str], out: Path, *, cpu_devices: int | None, timeout: int) -> tuple[dict, str]:
+def _run_command(flags: list[str], out: Path, *, cpu_devices: int | None, timeout: int) -> tuple[dict, str]:
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   if cpu_devices:
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={cpu_devices}").strip()
-  proc = subprocess.run([sys.executable, "-m", "jaxfp8.tools.bench_tp", f"--out={out}", *args], cwd=ROOT, env=env,
+  proc = subprocess.run([sys.executable, "-m", "jaxfp8", "tp", f"--out={out}", *flags], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, output[-5000:]
@@ -62,7 +62,7 @@ def _check_rows(result: dict, expected: set[tuple]) -> None:
     if r["mode"] in ("column", "column_gather"):
       assert r["elements_differing_vs_single"] == 0 and r["max_abs_diff_vs_single"] == 0
     if r["mode"] == "row":
-      assert r["rel_err_vs_single"] <= bench_tp.ROW_VS_SINGLE_BOUND
+      assert r["rel_err_vs_single"] <= tp_checks.ROW_VS_SINGLE_BOUND
 
 
 def _expected(shapes_ms: dict[str, list[int]], modes: tuple[str, ...]) -> set[tuple]:
@@ -79,9 +79,9 @@ def test_command_on_two_simulated_cpu_devices(tmp_path):
   out = tmp_path / "tp_cpu.json"
   result, output = _run_command(["--shapes=512,256;256,512", "--m=1,5", "--seed=3"], out, cpu_devices=2, timeout=240)
   assert "ALL CHECKS PASSED" in output and "simulated CPU devices" in output
-  _check_rows(result, _expected({"512x256": [1, 5], "256x512": [1, 5]}, bench_tp.MODES))
+  _check_rows(result, _expected({"512x256": [1, 5], "256x512": [1, 5]}, tp.MODES))
   assert result["device_count"] == 2 and result["devices"] == ["cpu:0", "cpu:1"] and result["cpu_warning"]
-  assert result["command"].startswith("python -m jaxfp8.tools.bench_tp --out=") and result["seed"] == 3
+  assert result["command"].startswith("python -m jaxfp8 tp --out=") and result["seed"] == 3
   assert result["layers"] == [["512x256", 512, 256, ["column", "row"]], ["256x512", 256, 512, ["column", "row"]]]
   for key in ("date", "jax_version", "timing", "timing_notes", "tolerances"):
     assert result[key]
@@ -101,44 +101,44 @@ def test_command_with_interpreted_triton_kernels(tmp_path):
   out = tmp_path / "tp_triton.json"
   result, _ = _run_command(["--shapes=256,256", "--m=3", "--implementation=triton", "--iterations=1",
                             "--parallel=both"], out, cpu_devices=2, timeout=240)
-  _check_rows(result, _expected({"256x256": [3]}, bench_tp.MODES))
+  _check_rows(result, _expected({"256x256": [3]}, tp.MODES))
   assert all(r["implementation"] == "triton" and "(interpreted)" in r["plan"] for r in result["rows"])
 
 
 def test_plan_layers_of_deepseek_v3():
-  dsv3 = bench.model_shapes(["deepseek_v3"])
-  layers, skipped = bench_tp.plan_layers(dsv3, "serving", 2)
+  dsv3 = [(s.name, s.n, s.k) for s in args.parse_shapes("deepseek_v3")]
+  layers, skipped = tp.plan_layers(dsv3, "serving", 2)
   modes = {name.split(".")[-1]: m for name, _, _, m in layers}
   assert modes == {"q_b_proj": ("column",), "kv_b_proj": ("column",), "o_proj": ("row",),
                    "dense_gate_up": ("column",), "dense_down": ("row",), "q_proj_no_lora": ("column",),
                    "shared_expert_gate_up": ("column",), "shared_expert_down": ("row",)}
   assert {s["shape"].split(".")[-1] for s in skipped} == {"q_a_proj", "kv_a_proj_with_mqa", "fused_qkv_a_proj"}
   # Every mode where the split gives whole 128-blocks: N=576 and 2112 do not split by columns over 2 devices.
-  layers, skipped = bench_tp.plan_layers(dsv3, "both", 2)
+  layers, skipped = tp.plan_layers(dsv3, "both", 2)
   assert len(layers) == 11 and sum(len(m) for _, _, _, m in layers) == 20
   assert {(s["shape"].split(".")[-1], s["parallel"]) for s in skipped} == {
       ("kv_a_proj_with_mqa", "column"), ("fused_qkv_a_proj", "column")}
   assert "N=576 does not split into whole 128-blocks over 2 devices" in skipped[0]["reason"]
   # Over 8 devices K=1536 (q_b_proj) and K=512 (kv_b_proj) no longer split by rows.
-  _, skipped = bench_tp.plan_layers(dsv3, "row", 8)
+  _, skipped = tp.plan_layers(dsv3, "row", 8)
   assert {s["shape"].split(".")[-1] for s in skipped} == {"q_b_proj", "kv_b_proj"}
-  layers, _ = bench_tp.plan_layers([("256x512", 256, 512)], "serving", 2)  # not a named layer: both modes
+  layers, _ = tp.plan_layers([("256x512", 256, 512)], "serving", 2)  # not a named layer: both modes
   assert layers == [("256x512", 256, 512, ("column", "row"))]
   with pytest.raises(ValueError, match="parallel must be one of"):
-    bench_tp.plan_layers(dsv3, "data", 2)
+    tp.plan_layers(dsv3, "data", 2)
 
 
 def test_checks_fail_on_wrong_outputs():
   mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
   n, k, m = 256, 512, 6
-  w_q, w_s = bench_tp._random_weight(jax.random.key(1), n, k, bench_tp.BLOCK_SIZE)
+  w_q, w_s = tp._random_weight(jax.random.key(1), n, k, tp.BLOCK_SIZE)
   bias = jax.random.normal(jax.random.key(2), (n,), jnp.float32)
   x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16) * 4
-  sample = bench_tp._Sample(w_q, w_s, bias, bench_tp.BLOCK_SIZE)
-  single = linear.w8a8_block_fp8_linear(x, w_q, w_s, bench_tp.BLOCK_SIZE)
+  sample = tp_checks.Sample(w_q, w_s, bias, tp.BLOCK_SIZE)
+  single = linear.w8a8_block_fp8_linear(x, w_q, w_s, tp.BLOCK_SIZE)
 
   def failed(mode, out, with_bias=False):
-    checks, _ = bench_tp.check_output(mode, out, single, mesh, sample, x, with_bias)
+    checks, _ = tp_checks.check_output(mode, out, single, mesh, sample, x, with_bias)
     assert {c["name"] for c in checks} == CHECK_NAMES[mode]
     return {c["name"] for c in checks if not c["passed"]}
 
@@ -148,7 +148,8 @@ def test_checks_fail_on_wrong_outputs():
   nudged = jax.lax.bitcast_convert_type(bits.at[2, 5].add(1), jnp.bfloat16)
   assert failed("column", nudged) == failed("column_gather", nudged) == {"bit_identical_to_single"}
   assert failed("row", nudged) == set()
-  # 1% off everywhere: beyond the row-parallel bound vs single and beyond the contract's bound vs the reference.
+  # 1% off everywhere: beyond the row-parallel bound vs single and beyond the bf16 bound of docs/CONTRACT.md §2 vs
+  # the reference.
   assert failed("row", (single.astype(jnp.float32) * 1.01).astype(jnp.bfloat16)) == {
       "rel_err_vs_single", "rel_err_vs_reference"}
   # A NaN outside the sampled rows is caught by the full-output checks.
@@ -161,14 +162,14 @@ def test_checks_fail_on_wrong_outputs():
 
 def test_compare_counts_bits_and_errors():
   a = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
-  stats = bench_tp.compare(a.at[0, 0].set(-0.0), a)  # -0.0 == 0.0 numerically, but not bitwise
+  stats = tp_checks.compare(a.at[0, 0].set(-0.0), a)  # -0.0 == 0.0 numerically, but not bitwise
   assert stats == dict(max_abs_diff=0.0, elements_differing=1, nonfinite=0, rel_err=0.0)
-  stats = bench_tp.compare(a.at[2, 3].add(3.0), a)
+  stats = tp_checks.compare(a.at[2, 3].add(3.0), a)
   assert stats["max_abs_diff"] == 3.0 and stats["elements_differing"] == 1
   np.testing.assert_allclose(stats["rel_err"], 3.0 / np.linalg.norm(np.arange(12)), rtol=1e-6)
 
 
-# Every kernel name CUPTI reported in a 2 x H200 run of `python -m jaxfp8.tools.bench_tp --m=1,64,1024` (jax 0.11.2).
+# Every kernel name CUPTI reported in a 2 x H200 run of the tp benchmark at --m=1,64,1024 (jax 0.11.2).
 # Row-parallel psum ran as XLA's own kernel at M=1 and 64 (psum_7_0_fusion_1) and through NCCL at M=1024.
 H200_COLLECTIVE_KERNELS = [
     "_Z31ncclDevKernel_AllGather_RING_LL24ncclDevKernelArgsStorageILm4096EE",
@@ -190,8 +191,8 @@ def test_collective_kernel_names():
       "loop_gather_fusion", "input_scatter_fusion", "small_reduce_fusion", "input_reduce_fusion", "cumsum_fusion",
       "wrapped_slice", "loop_dynamic_slice_fusion", "loop_dynamic_update_slice_fusion", "gemm_fusion_dot_1",
       "loop_broadcast_fusion", "wrapped_concatenate", "all_gathered_copy", "sm90_xmma_gemm_e4m3bf16_f32_tn_n"]
-  assert [n for n in collective if not bench_tp.is_collective_kernel(n)] == []
-  assert [n for n in compute if bench_tp.is_collective_kernel(n)] == []
+  assert [n for n in collective if not tp_report.is_collective_kernel(n)] == []
+  assert [n for n in compute if tp_report.is_collective_kernel(n)] == []
 
 
 def _kernel(name: str, us: float, collective: bool) -> dict:
@@ -238,9 +239,9 @@ def _saved_result() -> dict:
   singles = {r["shape"]: r for r in rows if r["mode"] == "single"}
   for r in rows:
     if r["mode"] != "single" and r["timed"]:
-      bench_tp._add_speedups(r, singles[r["shape"]])
+      tp_report.add_speedups(r, singles[r["shape"]])
       r.pop("speedup_compute", None)  # the old run did not write it
-  return dict(benchmark="tp", command="python -m jaxfp8.tools.bench_tp --out=/tmp/r/tp.json --m=1,64",
+  return dict(benchmark="tp", command="python -m jaxfp8 tp --out=/tmp/r/tp.json --m=1,64",
               date="2026-11-28T10:00:00+00:00", device="NVIDIA H200", jax_version="0.11.2", platform="gpu",
               device_count=2, timing="wall clock (median) and CUPTI kernel time (mean) of 30 calls",
               timing_notes={"old": "notes"}, cpu_warning=None, skipped=[], complete=True, checks_passed=True,
@@ -253,9 +254,10 @@ def test_rerender_reclassifies_a_saved_result(tmp_path):
   src.write_text(json.dumps(saved, indent=1))
   raw = src.read_bytes()
   out = tmp_path / "out" / "tp.json"
-  args = [f"--rerender={src}", f"--out={out}"]
-  result = bench_tp.main(args)  # on one device: --rerender needs no mesh
-  assert src.read_bytes() == raw and json.loads(out.read_text()) == result
+  flags = [f"--rerender={src}", f"--out={out}"]
+  assert cli.main(["jaxfp8", "tp", *flags]) == 0  # on one device: --rerender needs no mesh
+  result = json.loads(out.read_text())
+  assert src.read_bytes() == raw
   rows = result["rows"]
   # The row-parallel psum fusion is now a collective: 34 us over 2 devices of the 40 us per device.
   assert [k["collective"] for k in rows[1]["kernels"]] == [False, True, False, False]
@@ -273,10 +275,10 @@ def test_rerender_reclassifies_a_saved_result(tmp_path):
       assert {**k_before, "collective": None} == {**k_after, "collective": None}
   assert {k: v for k, v in result.items() if k not in ("rows", "timing_notes", "rederived")} == {
       k: v for k, v in saved.items() if k not in ("rows", "timing_notes")}
-  assert result["timing_notes"] == bench_tp.TIMING_NOTES
+  assert result["timing_notes"] == tp_report.TIMING_NOTES
   [record] = result["rederived"]
   assert record["source"] == str(src) and record["source_sha256"] == hashlib.sha256(raw).hexdigest()
-  assert record["command"] == "python -m jaxfp8.tools.bench_tp " + " ".join(args)
+  assert record["command"] == "python -m jaxfp8 tp " + " ".join(flags)
   assert record["reclassified"] == [dict(name="psum_7_0_fusion_1", collective=True)]
   assert record["measurements"].startswith("unchanged")
   assert datetime.datetime.fromisoformat(record["date"]) > datetime.datetime.fromisoformat(saved["date"])
@@ -287,34 +289,34 @@ def test_rerender_reclassifies_a_saved_result(tmp_path):
   assert "1 dev 90.0 us wall for 10.0 us of kernels; 2 dev 125.0 us wall for 40.0 us of kernels per device" in md
   assert "| A | 64 | 512 | 256 | row | mosaic+mosaic | 100.0 | 125.0 | 0.80x | 37.0 | 40.0 (17.0) | 0.93x | 1.61x |" in md
   # Again on its own output: the same numbers, nothing left to reclassify, a second record.
-  again = bench_tp.main([f"--rerender={out}", f"--out={tmp_path / 'again.json'}"])
+  assert cli.main(["jaxfp8", "tp", f"--rerender={out}", f"--out={tmp_path / 'again.json'}"]) == 0
+  again = json.loads((tmp_path / "again.json").read_text())
   assert again["rows"] == rows and len(again["rederived"]) == 2 and again["rederived"][1]["reclassified"] == []
 
 
 def test_rerender_refuses_what_it_cannot_do(tmp_path, capsys):
   src = tmp_path / "saved.json"
   src.write_text(json.dumps(_saved_result()))
-  for args, message in (([f"--rerender={src}"], "--rerender needs --out"),
-                        ([f"--rerender={src}", "--out=x.json", "--m=1"], "--m would have no effect")):
-    with pytest.raises(SystemExit) as exit_info:
-      bench_tp.main(args)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+  for flags, message in (([f"--rerender={src}"], "--rerender needs --out"),
+                         ([f"--rerender={src}", "--out=x.json", "--m=1"], "--m would have no effect")):
+    assert cli.main(["jaxfp8", "tp", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
   broken = _saved_result()
   broken["rows"][1]["kernels"].pop()  # records that no longer add up to the measured total
   with pytest.raises(ValueError, match="A M=64 row: its kernel records sum to 39.0 us per device"):
-    bench_tp.rederive(broken)
+    tp_report.rederive(broken)
   assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.skipif(len(jax.local_devices()) >= 2, reason="this process has several devices")
 def test_refuses_a_single_device(tmp_path, capsys):
-  with pytest.raises(SystemExit) as exit_info:
-    bench_tp.main(["--shapes=256,256", "--m=1", f"--out={tmp_path / 'x.json'}"])
-  assert exit_info.value.code == 2
-  assert "tensor parallelism needs at least 2 devices; this process sees 1" in capsys.readouterr().err
+  assert cli.main(["jaxfp8", "tp", "--shapes=256,256", "--m=1", f"--out={tmp_path / 'x.json'}"]) == 1
+  err = capsys.readouterr().err
+  assert "tensor parallelism needs 2 or more devices, and at most the 1 local ones" in err and err.count("\n") == 1
   assert not (tmp_path / "x.json").exists()
-  with pytest.raises(ValueError, match="needs 2 or more devices"):
-    bench_tp.run([("256x256", 256, 256)], [1])
+  with pytest.raises(args.CommandError, match="needs 2 or more devices"):
+    tp.run([("256x256", 256, 256)], [1])
 
 
 @pytest.mark.gpu

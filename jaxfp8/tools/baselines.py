@@ -19,8 +19,9 @@ def dequant_bf16_matmul_baseline(
 ) -> jax.Array:
   """BASELINE, not an implementation: dequantize both operands to bfloat16, then a bf16 GEMM with f32 accumulation.
 
-  This is what a JAX user without a block-FP8 kernel writes today. Rounding the dequantized values to bf16 (8 significant
-  bits) costs about 2^-9 relative error per element, outside SPEC.md's float32-output tolerance.
+  This is what a JAX user without a block-FP8 kernel writes today. Rounding the dequantized values to bf16 (8
+  significant bits) costs about 2^-9 relative error per element, outside the float32-output tolerance of
+  docs/CONTRACT.md §2.
   """
   m, _ = a_q.shape
   gn, gk = block_size

@@ -4,31 +4,37 @@ It drives the three benchmark modules (`bench_gemm`, `bench_linear`, `bench_quan
 (N, K) and row counts M, times them all in the same process, and puts their rows into one table and one JSON file:
 time, TFLOP/s, GB/s, the share of the roofline (the op's FLOPs at the compute peak or its bytes at the copy bandwidth
 measured in the same run, whichever takes longer) and the speedup over the best baseline of the same (op, shape, M).
+The JSON (and a markdown table beside it) is written after every shape; --time_budget_s stops the run between
+shapes, marking the JSON complete=false.
 
-Roles of the implementations:
-  gemm    ours: "mosaic", "triton", "xla" (`w8a8_block_fp8_matmul`); baselines: "dequant_bf16" (XLA dequantize to
-          bf16, then dot), "torch_scaled_mm" (torch blockwise `_scaled_mm`, when torch imports and a GPU is there);
-          ceiling: "fp8_per_tensor" (XLA fp8 dot with per-tensor scales: cuBLASLt speed without block scales).
-  linear  ours: "linear" (`w8a8_block_fp8_linear` as dispatched); parts: "gemm", "quant"; baselines: "dequant_bf16",
-          "w8a16_bf16" (bf16 activations times the dequantized weight).
-  quant   ours: "mosaic", "triton"; baseline: "xla" (`per_token_group_quant_fp8_row_padded` in jnp).
+Roles of the implementations (names for --implementations):
+  gemm    ours: mosaic, triton, xla (`w8a8_block_fp8_matmul`); baselines: dequant_bf16 (XLA dequantize to bf16, then
+          dot), torch_scaled_mm (torch blockwise `_scaled_mm`, when torch imports and a GPU is there); ceiling:
+          fp8_per_tensor (XLA fp8 dot with per-tensor scales: cuBLASLt speed without block scales).
+  linear  ours: linear (`w8a8_block_fp8_linear` as dispatched); parts: gemm, quant; baselines: dequant_bf16,
+          w8a16_bf16 (bf16 activations times the dequantized weight).
+  quant   ours: mosaic, triton; baseline: xla (`per_token_group_quant_fp8_row_padded` in jnp). It depends on K only:
+          it runs at the K of each weight shape, or at --k.
 
-On a GPU the times are CUPTI kernel times (`jaxfp8.timing`). On CPU there is no CUPTI: calls are timed with a wall
-clock (median of `block_until_ready` calls) on small shapes, only to exercise the command; CPU times say nothing
-about GPU speed.
+On a GPU the times are CUPTI kernel times (`jaxfp8.tools.timing`). On CPU there is no CUPTI: the XLA paths are timed
+with a wall clock (median of `block_until_ready` calls) on small shapes, only to exercise the command; CPU times say
+nothing about GPU speed, and the output says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from absl import flags
 
-from jaxfp8 import _platform, shapes
-from jaxfp8.tools import results as _bench_io, bench_gemm, bench_linear, bench_quant
+from jaxfp8 import _platform
+from jaxfp8.tools import args, bench_gemm, bench_linear, bench_quant
+from jaxfp8.tools import results as results_io
 
 OPS = ("gemm", "linear", "quant")
 # NVIDIA H200 (SXM) datasheet: FP8 Tensor Core 3958 TFLOP/s with 2:4 sparsity, i.e. 1979 dense.
@@ -47,76 +53,76 @@ CPU_SHAPES = (("tiny.256x512", 256, 512), ("tiny.512x1024", 512, 1024))
 CPU_WARNING = ("WARNING: no GPU here. These are CPU wall-clock times of the XLA code paths on small shapes; they "
                "exercise the command and say nothing about GPU speed.")
 
+FLAGS = flags.FlagValues()
+_KW = dict(flag_values=FLAGS, module_name=__name__)
+flags.DEFINE_list("ops", list(OPS), "Ops to time: some of gemm, linear, quant.", **_KW)
+args.define_shape_flags(FLAGS, __name__, shapes_default="GPU: DeepSeek-V3 and Qwen3-32B weights "
+                        "(bench_gemm.DEFAULT_SHAPES); CPU: two tiny shapes",
+                        m_default=f"GPU {','.join(map(str, GPU_MS))}; CPU {','.join(map(str, CPU_MS))}")
+flags.DEFINE_string("k", None, "quant: widths K to quantize, ','-separated, instead of the K of each weight shape "
+                    "(e.g. 512,2048,7168,18432 with --m=1,16,64,256,1024,4096,16384).", **_KW)
+flags.DEFINE_list("implementations", None, "Implementations to time (see the roles above; a name may serve several "
+                  "ops). Default: every one that runs here.", **_KW)
+flags.DEFINE_list("block_size", ["128", "128"], "Quantization block (gn, gk).", **_KW)
+flags.DEFINE_integer("iterations", None, "Timed calls per measurement. Default: 30 on a GPU, 5 on CPU.", lower_bound=1,
+                     **_KW)
+flags.DEFINE_float("peak_tflops", None, "Compute peak for the roofline. Default: 1979 on an H200 (FP8 dense).",
+                   lower_bound=0, **_KW)
+flags.DEFINE_float("time_budget_s", None, "Start no new shape after this many seconds (the JSON says complete=false).",
+                   lower_bound=0, **_KW)
+flags.DEFINE_integer("seed", None, "Random seed (default: fresh; the JSON records it).", **_KW)
+flags.DEFINE_string("out", None, "Results JSON to write (a .md table goes beside it). Default: print only.", **_KW)
+
 
 # ---- what to run -----------------------------------------------------------------------------------------------------
 
-def parse_shapes(text: str) -> list[tuple[str, int, int]]:
-  """'N,K;N,K' (or 'M,N,K;...', the M ignored here: give M with --m) -> [(name, N, K)]."""
-  out = []
-  for item in (s.strip() for s in text.split(";")):
-    if not item:
-      continue
-    values = [int(v) for v in item.replace("x", ",").split(",")]
-    if len(values) not in (2, 3) or min(values) <= 0:
-      raise ValueError(f"shapes: expected 'N,K' or 'M,N,K' positive integers separated by ';', got {item!r}")
-    n, k = values[-2:]
-    out.append((f"{n}x{k}", n, k))
-  return out
-
-
-def parse_mnk(text: str) -> tuple[list[tuple[str, int, int]], dict[str, list[int]]] | None:
-  """'M,N,K;...' with M on every item -> (shapes, the Ms of each shape), else None (items without M)."""
-  items = [s.strip() for s in text.split(";") if s.strip()]
-  if not items or any(len(i.split(",")) != 3 for i in items):
-    return None
-  shape_list, ms_by_shape = parse_shapes(text), {}
-  for item, (name, _, _) in zip(items, shape_list):
-    ms_by_shape.setdefault(name, []).append(int(item.split(",")[0]))
-  unique = list(dict.fromkeys(shape_list))
-  return unique, {name: sorted(set(ms)) for name, ms in ms_by_shape.items()}
-
-
-def model_shapes(models: Sequence[str], path: str | None = None) -> list[tuple[str, int, int]]:
-  """(model.layer, N, K) of shapes.json models; 'model.layer' picks one layer, 'all' every model but the unaligned
-  test shapes. `path`: another shapes.json instead of the shipped one."""
-  if path:
-    table = bench_gemm.shapes_from_json(path, None)
-  else:
-    table = [(name.replace("/", "."), n, k) for name, n, k in shapes.weight_shapes()]
-  if list(models) == ["all"]:
-    return [s for s in table if not s[0].startswith("unaligned")]
-  out = []
-  for model in models:
-    picked = [s for s in table if s[0] == model or s[0].split(".")[0] == model]
-    if not picked:
-      known = sorted({s[0].split(".")[0] for s in table})
-      raise ValueError(f"models: {model!r} is no model (or model.layer) of shapes.json; models: {known}")
-    out += [s for s in picked if s not in out]
-  return out
+def unavailable(op: str, name: str, on_gpu: bool) -> str | None:
+  """Why implementation `name` of `op` cannot be timed on this machine; None when it can."""
+  if op in ("gemm", "quant") and name == "mosaic" and not _platform.is_hopper():
+    return "mosaic needs a Hopper GPU (sm_90)"
+  if op in ("gemm", "quant") and name == "triton" and not _platform.has_fp8_gpu():
+    return "triton needs an NVIDIA GPU with FP8 (sm >= 8.9)"
+  if name == "torch_scaled_mm" and not on_gpu:
+    return "torch_scaled_mm needs a GPU"
+  return None
 
 
 def runnable_implementations(op: str, on_gpu: bool) -> tuple[str, ...]:
-  """The implementations of `op` that run on this machine (torch_scaled_mm: left to bench_gemm to find torch)."""
-  out = []
-  for name in IMPLEMENTATIONS[op]:
-    if name in ("mosaic", "triton") and op in ("gemm", "quant"):
-      if (name == "mosaic" and not _platform.is_hopper()) or (name == "triton" and not _platform.has_fp8_gpu()):
-        continue
-    if name == "torch_scaled_mm" and not on_gpu:
-      continue
-    out.append(name)
-  return tuple(out)
+  """The implementations of `op` that run on this machine (torch_scaled_mm: bench_gemm finds out whether torch does)."""
+  return tuple(name for name in IMPLEMENTATIONS[op] if unavailable(op, name, on_gpu) is None)
 
 
 def select_implementations(requested: Sequence[str] | None, ops: Sequence[str], on_gpu: bool) -> dict[str, list[str]]:
-  """Per op, the requested names that op knows (a name may serve several ops), or every runnable one."""
+  """Per op, the requested names that op knows (a name may serve several ops), or every runnable one. A requested
+  name no op knows is a UsageError; one that cannot run here a CommandError."""
   if not requested:
     return {op: list(runnable_implementations(op, on_gpu)) for op in ops}
   known = {name for op in ops for name in IMPLEMENTATIONS[op]}
   unknown = [name for name in requested if name not in known]
   if unknown:
-    raise ValueError(f"implementations: unknown {unknown} for ops {list(ops)}; known: {sorted(known)}")
-  return {op: [name for name in IMPLEMENTATIONS[op] if name in requested] for op in ops}
+    raise args.UsageError(f"--implementations: unknown {unknown} for ops {list(ops)}; known: {sorted(known)}")
+  chosen = {op: [name for name in IMPLEMENTATIONS[op] if name in requested] for op in ops}
+  why = sorted({reason for op in ops for name in chosen[op] if (reason := unavailable(op, name, on_gpu))})
+  if why:
+    raise args.CommandError(f"--implementations: {'; '.join(why)}; this machine has "
+                            f"{jax.devices()[0].device_kind} (leave --implementations out for every one that runs)")
+  return chosen
+
+
+def steps(ops: Sequence[str], shape_list: Sequence[tuple[str, int, int]], ms: Sequence[int],
+          ms_by_shape: dict[str, Sequence[int]], quant_ks: Sequence[int] | None) -> list[tuple[str, object, list]]:
+  """(op, shape or K, Ms) in the order they run. The quantizer depends on K only: one step per distinct K, at every M
+  of the shapes of that K (or at `ms` for each of `quant_ks`)."""
+  out = []
+  for op in ops:
+    if op != "quant":
+      out += [(op, shape, list(ms_by_shape.get(shape[0], ms))) for shape in shape_list]
+      continue
+    quant_ms: dict[int, set] = {k: set(ms) for k in quant_ks or ()}
+    for name, _, k in ([] if quant_ks else shape_list):
+      quant_ms.setdefault(k, set()).update(ms_by_shape.get(name, ms))
+    out += [(op, k, sorted(quant_ms[k])) for k in sorted(quant_ms)]
+  return out
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------------
@@ -206,6 +212,76 @@ def unify(op: str, raw_rows: Sequence[dict]) -> list[dict]:
 
 # ---- the run ---------------------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What every step of a run shares: the implementations, how they are timed, the roofline they are measured
+  against."""
+  on_gpu: bool
+  chosen: dict[str, list[str]]
+  iterations: int
+  timer: Callable[..., float] | None  # None: CUPTI, the sub-benchmarks' default
+  timing_label: str
+  copy_bandwidth: float
+  peak_tflops: float | None
+  block_size: tuple[int, int]
+
+
+def setup(ops: Sequence[str], implementations: Sequence[str] | None, *, iterations: int | None,
+          peak_tflops: float | None, block_size: tuple[int, int], log=print) -> Setup:
+  """Chooses the implementations and the timer, and measures the copy bandwidth (the memory roofline) now."""
+  on_gpu = _platform.gpu_compute_capability() is not None
+  chosen = select_implementations(implementations, ops, on_gpu)
+  iterations = iterations or (30 if on_gpu else 5)
+  if peak_tflops is None and on_gpu and "H200" in jax.devices()[0].device_kind:
+    peak_tflops = H200_FP8_DENSE_TFLOPS
+  if on_gpu:
+    timer, label = None, f"CUPTI kernel time (all kernels of a call), median of {iterations} calls"
+    copy_bw = bench_quant.measure_copy_bandwidth()
+  else:
+    timer = median_wall_us
+    label = f"CPU WALL-CLOCK time (block_until_ready), median of {iterations} calls: not a GPU measure"
+    log(CPU_WARNING)
+    copy_bw = bench_quant.measure_copy_bandwidth(64 << 20, timer=median_wall_us)
+  return Setup(on_gpu, chosen, iterations, timer, label, copy_bw, peak_tflops, tuple(block_size))
+
+
+def _metadata(s: Setup, *, ops, shape_list, ms, ms_by_shape, quant_ks, seed, command) -> dict:
+  torch_version = None
+  try:
+    import torch
+    torch_version = torch.__version__
+  except ImportError:
+    pass
+  peak = s.peak_tflops
+  return dict(
+      benchmark="jaxfp8 bench: block FP8 GEMM, linear and activation quantizer, every implementation and baseline",
+      **results_io.run_metadata(command), device_count=jax.device_count(), platform=jax.devices()[0].platform,
+      jaxlib_version=_jaxlib_version(), torch_version=torch_version, seed=seed, iterations=s.iterations,
+      timing=s.timing_label, cpu_warning=None if s.on_gpu else CPU_WARNING,
+      copy_bandwidth_tbps=s.copy_bandwidth / 1e12, compute_peak_tflops=peak,
+      compute_peak_source="NVIDIA H200 datasheet, FP8 Tensor Core dense" if peak == H200_FP8_DENSE_TFLOPS
+      else ("given with --peak_tflops" if peak else None),
+      roofline="pct_roofline = 100 * max(flops / peak, bytes / copy bandwidth) / time; bytes = inputs read once + "
+               "output written once",
+      speedup="speedup_vs_best_baseline = fastest baseline time of the same (op, shape, M) / this time",
+      ops=list(ops), shapes=[list(x) for x in shape_list], ms=ms, ms_by_shape=ms_by_shape or None,
+      quant_ks=list(quant_ks) if quant_ks else None, block_size=list(s.block_size), implementations=s.chosen,
+      complete=False, rows=[], raw={op: [] for op in ops})
+
+
+def run_step(s: Setup, op: str, item, ms: Sequence[int], seed: int, log=print) -> list[dict]:
+  """The raw rows of one op's benchmark on one shape (or K, for the quantizer) at the Ms given."""
+  common = dict(iterations=s.iterations, timer=s.timer, timing_label=s.timing_label, log=lambda line: log("  " + line))
+  if op == "gemm":
+    raw = bench_gemm.run([item], ms, s.chosen[op], None, block_size=s.block_size, seed=seed, **common)
+  elif op == "linear":
+    raw = bench_linear.run([item], ms, s.chosen[op], None, block_size=s.block_size, seed=seed, **common)
+  else:
+    raw = bench_quant.run(ms, [item], s.chosen[op], group_size=s.block_size[1], copy_bandwidth=s.copy_bandwidth,
+                          **common)
+  return raw["rows"]
+
+
 def run(
     ops: Sequence[str] = OPS,
     shape_list: Sequence[tuple[str, int, int]] | None = None,
@@ -219,110 +295,58 @@ def run(
     peak_tflops: float | None = None,
     time_budget_s: float | None = None,
     ms_by_shape: dict[str, Sequence[int]] | None = None,
+    quant_ks: Sequence[int] | None = None,
     command: str | None = None,
     log=print,
 ) -> dict:
-  """Times every implementation of every op on every (shape, M) (`ms_by_shape`: a shape's own Ms instead of `ms`).
+  """Times every implementation of every op on every (shape, M) (`ms_by_shape`: a shape's own Ms instead of `ms`;
+  `quant_ks`: the quantizer's Ks instead of the shapes').
 
   Prints progress and the table; writes JSON after every shape (a run cut short still leaves what it measured,
   marked complete=False) and a markdown table beside it."""
   started = time.perf_counter()
-  unknown_ops = [op for op in ops if op not in OPS]
-  if unknown_ops or not ops:
-    raise ValueError(f"ops: expected some of {OPS}, got {list(ops)}")
-  block_size = tuple(block_size)
-  on_gpu = _platform.gpu_compute_capability() is not None
-  shape_list = list(shape_list if shape_list is not None else (
-      [s for s in bench_gemm.DEFAULT_SHAPES] if on_gpu else CPU_SHAPES))
-  ms = list(ms if ms else (GPU_MS if on_gpu else CPU_MS))
+  if not ops or any(op not in OPS for op in ops):
+    raise args.UsageError(f"--ops: expected some of {', '.join(OPS)}, got {list(ops)}")
+  s = setup(ops, implementations, iterations=iterations, peak_tflops=peak_tflops, block_size=block_size, log=log)
+  shape_list = list(shape_list if shape_list is not None else (bench_gemm.DEFAULT_SHAPES if s.on_gpu else CPU_SHAPES))
+  ms = list(ms if ms else (GPU_MS if s.on_gpu else CPU_MS))
+  ms_by_shape = {name: list(v) for name, v in (ms_by_shape or {}).items()}
   if ms_by_shape and all(name in ms_by_shape for name, _, _ in shape_list):
     ms = sorted({m for values in ms_by_shape.values() for m in values})  # what runs, for the record
-  iterations = iterations or (30 if on_gpu else 5)
-  chosen = select_implementations(implementations, ops, on_gpu)
   seed = int(np.random.SeedSequence().entropy % (2**31)) if seed is None else seed
-  device = jax.devices()[0].device_kind
-  if peak_tflops is None and on_gpu and "H200" in device:
-    peak_tflops = H200_FP8_DENSE_TFLOPS
-  if on_gpu:
-    timer, timer_label = None, f"CUPTI kernel time (all kernels of a call), median of {iterations} calls"
-    copy_bw = bench_quant.measure_copy_bandwidth()
-  else:
-    timer = median_wall_us
-    timer_label = f"CPU WALL-CLOCK time (block_until_ready), median of {iterations} calls: not a GPU measure"
-    log(CPU_WARNING)
-    copy_bw = bench_quant.measure_copy_bandwidth(64 << 20, timer=median_wall_us)
-  log(f"jaxfp8 bench on {device} (jax {jax.__version__}): ops {list(ops)}, {len(shape_list)} shapes, M {ms}; "
-      f"{timer_label}")
-  log(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + write, measured now); compute peak "
-      f"{f'{peak_tflops:g} TFLOP/s (FP8 dense, datasheet)' if peak_tflops else 'unknown here: memory roofline only'}")
-  torch_version = None
-  try:
-    import torch
-    torch_version = torch.__version__
-  except ImportError:
-    pass
-  result = dict(
-      benchmark="jaxfp8 bench: block FP8 GEMM, linear and activation quantizer, every implementation and baseline",
-      **_bench_io.run_metadata(command), device_count=jax.device_count(), platform=jax.devices()[0].platform,
-      jaxlib_version=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-      torch_version=torch_version, seed=seed, iterations=iterations,
-      timing=timer_label, cpu_warning=None if on_gpu else CPU_WARNING,
-      copy_bandwidth_tbps=copy_bw / 1e12, compute_peak_tflops=peak_tflops,
-      compute_peak_source="NVIDIA H200 datasheet, FP8 Tensor Core dense" if peak_tflops == H200_FP8_DENSE_TFLOPS
-      else ("given with --peak_tflops" if peak_tflops else None),
-      roofline="pct_roofline = 100 * max(flops / peak, bytes / copy bandwidth) / time; bytes = inputs read once + "
-               "output written once",
-      speedup="speedup_vs_best_baseline = fastest baseline time of the same (op, shape, M) / this time",
-      ops=list(ops), shapes=[list(s) for s in shape_list], ms=ms, ms_by_shape=ms_by_shape or None,
-      block_size=list(block_size),
-      implementations=chosen, complete=False, rows=[], raw={op: [] for op in ops})
-  rows: list[dict] = result["rows"]
+  log(f"jaxfp8 bench on {jax.devices()[0].device_kind} (jax {jax.__version__}): ops {list(ops)}, "
+      f"{len(shape_list)} shapes, M {ms}; {s.timing_label}")
+  peak = f"{s.peak_tflops:g} TFLOP/s (FP8 dense, datasheet)" if s.peak_tflops else "unknown here: memory roofline only"
+  log(f"copy bandwidth {s.copy_bandwidth / 1e12:.3f} TB/s (read + write, measured now); compute peak {peak}")
+  result = _metadata(s, ops=ops, shape_list=shape_list, ms=ms, ms_by_shape=ms_by_shape, quant_ks=quant_ks, seed=seed,
+                     command=command)
 
   def write():
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
-    add_baseline_ratios(rows)
-    _bench_io.write_results(result, out_json, markdown_table)
+    add_baseline_ratios(result["rows"])
+    results_io.write_results(result, out_json, markdown_table)
 
-  common = dict(iterations=iterations, timer=timer, timing_label=timer_label)
-  # Quantization depends on K only: one entry per distinct K.
-  ms_by_shape = {name: list(v) for name, v in (ms_by_shape or {}).items()}
-  quant_ms = {}  # K -> Ms
-  for name, _, k in shape_list:
-    quant_ms[k] = sorted(set(quant_ms.get(k, [])) | set(ms_by_shape.get(name, ms)))
-  quant_ks = sorted(quant_ms)
-  steps = [(op, s) for op in ops for s in (quant_ks if op == "quant" else shape_list)]
-  out_of_time = False
-  for index, (op, item) in enumerate(steps):
-    if not chosen[op]:
+  todo = steps(ops, shape_list, ms, ms_by_shape, quant_ks)
+  for index, (op, item, step_ms) in enumerate(todo):
+    if not s.chosen[op]:
       continue
     if time_budget_s and time.perf_counter() - started > time_budget_s:
-      log(f"time budget of {time_budget_s} s spent: stopping before {op} {item} ({len(steps) - index} steps left)")
-      out_of_time = True
+      log(f"time budget of {time_budget_s} s spent: stopping before {op} {item} ({len(todo) - index} steps left)")
       break
-    log(f"[{index + 1}/{len(steps)}, {time.perf_counter() - started:.0f} s] {op} "
+    log(f"[{index + 1}/{len(todo)}, {time.perf_counter() - started:.0f} s] {op} "
         f"{f'K={item}' if op == 'quant' else item[0]}")
-    step_seed = (seed + index) % (2**31)
-    shape_ms = quant_ms[item] if op == "quant" else ms_by_shape.get(item[0], ms)
-    if op == "gemm":
-      raw = bench_gemm.run([item], shape_ms, chosen[op], None, block_size=block_size, seed=step_seed,
-                           log=lambda line: log("  " + line), **common)
-    elif op == "linear":
-      raw = bench_linear.run([item], shape_ms, chosen[op], None, block_size=block_size, seed=step_seed,
-                             log=lambda line: log("  " + line), **common)
-    else:
-      raw = bench_quant.run(shape_ms, [item], chosen[op], group_size=block_size[1], log=lambda line: log("  " + line),
-                            copy_bandwidth=copy_bw, **common)
-    result["raw"][op] += raw["rows"]
-    new_rows = unify(op, raw["rows"])
-    for row in new_rows:
-      add_roofline(row, peak_tflops=peak_tflops, copy_bandwidth=copy_bw, block_size=block_size)
-    rows += new_rows
+    raw = run_step(s, op, item, step_ms, (seed + index) % (2**31), log)
+    result["raw"][op] += raw
+    for row in (new_rows := unify(op, raw)):
+      add_roofline(row, peak_tflops=s.peak_tflops, copy_bandwidth=s.copy_bandwidth, block_size=s.block_size)
+    result["rows"] += new_rows
     write()
-  result["complete"] = not out_of_time
+  else:
+    result["complete"] = True
   write()
   log("")
   log(text_table(result))
-  if not on_gpu:
+  if not s.on_gpu:
     log(CPU_WARNING)
   if out_json:
     log(f"wrote {out_json} and {out_json.removesuffix('.json')}.md")
@@ -387,23 +411,19 @@ def markdown_table(result: dict) -> str:
 
 # ---- command line ----------------------------------------------------------------------------------------------------
 
-def main_from_flags(flags_values, argv: Sequence[str]) -> dict:
-  """`python -m jaxfp8 bench` with the absl flags of jaxfp8.__main__."""
-  f = flags_values
-  ms = [int(v) for v in f.m] if f.m else None
-  ms_by_shape = None
-  if f.shapes:
-    mnk = parse_mnk(f.shapes)
-    if mnk is not None and not f.m:
-      shape_list, ms_by_shape = mnk
-    else:
-      shape_list = parse_shapes(f.shapes)
-  elif f.models or f.shapes_json:
-    shape_list = model_shapes(f.models or [], f.shapes_json)
-  else:
-    shape_list = None
-  command = "python -m jaxfp8 " + " ".join(argv[1:])
-  return run(f.ops, shape_list, ms, f.implementations, f.out, block_size=tuple(int(v) for v in f.block_size),
-             iterations=f.iterations, seed=f.seed, peak_tflops=f.peak_tflops, time_budget_s=f.time_budget_s,
-             ms_by_shape=ms_by_shape, command=command)
-
+def main(command_line: str) -> int:
+  """`python -m jaxfp8 bench` with this module's FLAGS."""
+  ops = [op.strip() for op in FLAGS.ops]
+  if not ops or any(op not in OPS for op in ops):
+    raise args.UsageError(f"--ops: expected some of {', '.join(OPS)}, got {','.join(FLAGS.ops)!r}")
+  shapes = args.selected_shapes(FLAGS)
+  ms = args.parse_ms(FLAGS.m) if FLAGS.m else None
+  shape_list, ms_by_shape = args.shapes_and_ms(shapes, ms) if shapes else (None, None)
+  quant_ks = args.parse_ints(FLAGS.k, flag="--k") if FLAGS.k else None
+  if quant_ks and "quant" not in ops:
+    raise args.UsageError("--k: the quantizer's widths, but --ops has no quant")
+  run(ops, shape_list, ms, FLAGS.implementations, FLAGS.out,
+      block_size=args.parse_ints(FLAGS.block_size, flag="--block_size", count=2), iterations=FLAGS.iterations,
+      seed=FLAGS.seed, peak_tflops=FLAGS.peak_tflops, time_budget_s=FLAGS.time_budget_s, ms_by_shape=ms_by_shape,
+      quant_ks=quant_ks, command=command_line)
+  return 0

@@ -1,4 +1,6 @@
-"""Benchmark of the block-scaled FP8 GEMM on the GPU, all contenders in one process, CUPTI kernel times.
+"""Benchmark of the block-scaled FP8 GEMM, all contenders in one process: `python -m jaxfp8 bench --ops=gemm`.
+
+On a GPU the times are CUPTI kernel times; `run` takes another timer (bench's wall clock on CPU).
 
 Contenders (names for `implementations`):
   "triton", "mosaic", "xla": `w8a8_block_fp8_matmul` with that implementation (the config table or heuristic).
@@ -11,7 +13,8 @@ Contenders (names for `implementations`):
                    imports; needs M % 4 == 0 and block (128, 128).
 
 Every contender's output is first checked against the float64 reference (jaxfp8.reference.block_fp8_matmul) on a sample
-of rows and whole column blocks; the row reports the relative error and whether it is within SPEC.md's bf16 bound.
+of rows and whole column blocks; the row reports the relative error and whether it is within the bf16 bound of
+docs/CONTRACT.md §2.
 Inputs are fresh random data per run (quantized normal values, weight blocks with different scales); when a weight is
 small enough to be served from the 60 MB L2, several copies of the inputs are rotated between calls.
 For M <= 64 the row also reports the ratio to the weight-streaming floor, weight bytes / 4.3 TB/s.
@@ -19,12 +22,8 @@ For M <= 64 the row also reports the ratio to the weight-streaming floor, weight
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
-import os
-import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -32,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfp8 import gemm
-from jaxfp8.tools import results as _bench_io, baselines, timing
+from jaxfp8.tools import results as results_io, baselines, timing
 from jaxfp8 import reference as ref
 
 CONTENDERS = ("triton", "mosaic", "xla", "dequant_bf16", "fp8_per_tensor", "torch_scaled_mm")
-HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (PALLAS_NOTES.md)
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (benchmarks/README.md)
 L2_BYTES = 60 << 20
 # (name, N, K): DeepSeek-V3 and Qwen3-32B weights from shapes.json.
 DEFAULT_SHAPES: tuple[tuple[str, int, int], ...] = (
@@ -50,19 +49,7 @@ DEFAULT_SHAPES: tuple[tuple[str, int, int], ...] = (
     ("qwen3_32b.down_proj", 5120, 25600),
 )
 DEFAULT_MS = (1, 16, 64, 256, 1024, 4096)
-BF16_BOUND = 5e-3
-
-
-def shapes_from_json(path: str, models: Sequence[str] | None = None) -> list[tuple[str, int, int]]:
-  """(name, N, K) of the weight shapes of a shapes.json file, for the given model keys (default: all of them)."""
-  with open(path) as f:
-    data = json.load(f)
-  out = []
-  for model, group in data.items():
-    if not isinstance(group, dict) or (models and model not in models):
-      continue
-    out += [(f"{model}.{name}", int(n), int(k)) for name, (n, k) in group.items()]
-  return out
+BF16_BOUND = 5e-3  # docs/CONTRACT.md §2: relative Frobenius error of a bf16 output
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------------
@@ -70,7 +57,8 @@ def shapes_from_json(path: str, models: Sequence[str] | None = None) -> list[tup
 @functools.partial(jax.jit, static_argnames=("rows", "cols", "block"))
 def _random_blockwise_fp8(key, *, rows: int, cols: int, block: tuple[int, int]):
   """Random (rows, cols) data quantized per (block) with scales amax/448, times a random factor per block so that
-  blocks differ in magnitude. Returns (q e4m3fn, row-major scales float32). Not bit-exact to SPEC (not needed here)."""
+  blocks differ in magnitude. Returns (q e4m3fn, row-major scales float32). Not bit-exact to docs/CONTRACT.md §1 (not
+  needed here)."""
   br, bc = block
   nr, nc = -(-rows // br), -(-cols // bc)
   k1, k2 = jax.random.split(key)
@@ -89,7 +77,8 @@ def make_weight(key, n: int, k: int, block_size: tuple[int, int]):
 
 
 def make_activation(key, m: int, k: int, gk: int):
-  """(a_q (M, K), a_s column-major (ceil(K/gk), round_up(M, 4))): the quantizer's TMA-aligned layout, pad columns 1.0."""
+  """(a_q (M, K), a_s column-major (ceil(K/gk), round_up(M, 4))): the quantizer's TMA-aligned layout, pad columns
+  1.0."""
   a_q, a_s = _random_blockwise_fp8(key, rows=m, cols=k, block=(1, gk))
   m_pad = -(-m // 4) * 4
   a_s_col = jnp.ones((a_s.shape[1], m_pad), jnp.float32).at[:, :m].set(a_s.T)
@@ -193,7 +182,8 @@ def run(
     timer: Callable[..., float] | None = None,
     timing_label: str | None = None,
 ) -> dict:
-  """Times every contender on every (shape, M); checks each output on a sample first. Returns (and writes) the results."""
+  """Times every contender on every (shape, M); checks each output on a sample first. Returns (and writes) the
+  results."""
   block_size = tuple(block_size)
   timer = timer or timing.median_kernel_us
   seed = int(np.random.SeedSequence().entropy % (2**31)) if seed is None else seed
@@ -217,57 +207,71 @@ def run(
       key, *keys = jax.random.split(key, sets + 1)
       acts = [make_activation(keys[i], m, k, block_size[1]) for i in range(sets)]
       arg_sets = [(a_q, b_q, a_s, b_s) for (a_q, a_s), (b_q, b_s) in zip(acts, weights)]
-      sample_rows, sample_blocks = _bench_io.sample_rows_and_blocks(m, n, block_size[0])
+      sample_rows, sample_blocks = results_io.sample_rows_and_blocks(m, n, block_size[0])
       expected, cols = sample_reference(*arg_sets[0], block_size, sample_rows, sample_blocks)
-      flops = 2 * m * n * k
-      floor_us = weight_bytes / HBM_BYTES_PER_S * 1e6
       base = dict(shape=shape_name, m=m, n=n, k=k, block_size=list(block_size), rotation_sets=sets,
-                  weight_floor_us=floor_us)
-
-      def record(name, us=None, err=None, error=None, note=None):
-        row = dict(base, contender=name)
-        if error is not None:
-          row["error"] = error
-        else:
-          row.update(us=us, tflops=flops / (us * 1e-6) / 1e12)
-          if m <= 64:
-            row["x_weight_floor"] = us / floor_us
-        if err is not None:
-          row["rel_err"] = err
-          row["within_bf16_bound"] = bool(err <= BF16_BOUND)
-        if note:
-          row["note"] = note
-        rows_out.append(row)
-        log(format_row(row))
-
+                  weight_floor_us=n * k / HBM_BYTES_PER_S * 1e6)
+      record = _recorder(base, rows_out, log)
       for name in implementations:
         if name == "torch_scaled_mm":
-          if torch_mm is None:
-            continue
-          _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer)
-          continue
-        fn, args, note = jax_fns[name], arg_sets, None
-        if name == "mosaic" and m < gemm.mosaic.DECODE_ROWS:
-          fn = jax_contender(name, block_size, out_rows=m)
-          args = [decode_tile_buffers(*arg_set) for arg_set in arg_sets]
-          note = f"the quantizer's {gemm.mosaic.DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
-        try:
-          out = np.asarray(jax.block_until_ready(fn(*args[0]))).astype(np.float32)
-          err = None if name == "fp8_per_tensor" else ref.relative_error(out[np.ix_(sample_rows, cols)], expected)
-          us = timer(fn, args, iterations=iterations)
-          if err is None:
-            note = "speed reference only (per-tensor scales)"
-          record(name, us=us, err=err, note=note)
-        except Exception as e:  # a failing contender is reported, not fatal for the others
-          record(name, error=f"{type(e).__name__}: {str(e)[:300]}")
+          if torch_mm is not None:
+            _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer)
+        else:
+          _time_jax(name, jax_fns[name], arg_sets, block_size, (expected, sample_rows, cols), iterations, record,
+                    timer)
       del arg_sets, acts
     del weights
   result = dict(
       benchmark="w8a8 block FP8 GEMM, bf16 output, column-major activation scales",
-      **_bench_io.run_metadata(), seed=seed, timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
+      **results_io.run_metadata(), seed=seed,
+      timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
       weight_floor=f"N*K bytes / {HBM_BYTES_PER_S / 1e12} TB/s", rows=rows_out)
-  _bench_io.write_results(result, out_json, markdown_table)
+  results_io.write_results(result, out_json, markdown_table)
   return result
+
+
+def _recorder(base: dict, rows_out: list[dict], log) -> Callable[..., None]:
+  """record(contender, us=, err=, error=, note=): appends the contender's row for the problem `base` describes."""
+  m, flops = base["m"], 2 * base["m"] * base["n"] * base["k"]
+
+  def record(name, us=None, err=None, error=None, note=None):
+    row = dict(base, contender=name)
+    if error is not None:
+      row["error"] = error
+    else:
+      row.update(us=us, tflops=flops / (us * 1e-6) / 1e12)
+      if m <= 64:
+        row["x_weight_floor"] = us / base["weight_floor_us"]
+    if err is not None:
+      row["rel_err"] = err
+      row["within_bf16_bound"] = bool(err <= BF16_BOUND)
+    if note:
+      row["note"] = note
+    rows_out.append(row)
+    log(format_row(row))
+
+  return record
+
+
+def _time_jax(name: str, fn: Callable, arg_sets: list[tuple], block_size, sample, iterations: int, record,
+              timer) -> None:
+  """Checks the JAX contender `name` on the sample (expected, rows, cols), times it, records its row."""
+  expected, sample_rows, cols = sample
+  m = arg_sets[0][0].shape[0]
+  note = None
+  if name == "mosaic" and m < gemm.mosaic.DECODE_ROWS:
+    fn = jax_contender(name, block_size, out_rows=m)
+    arg_sets = [decode_tile_buffers(*arg_set) for arg_set in arg_sets]
+    note = f"the quantizer's {gemm.mosaic.DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
+  try:
+    out = np.asarray(jax.block_until_ready(fn(*arg_sets[0]))).astype(np.float32)
+    err = None if name == "fp8_per_tensor" else ref.relative_error(out[np.ix_(sample_rows, cols)], expected)
+    us = timer(fn, arg_sets, iterations=iterations)
+    if err is None:
+      note = "speed reference only (per-tensor scales)"
+    record(name, us=us, err=err, note=note)
+  except Exception as e:  # a failing contender is reported, not fatal for the others
+    record(name, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer):
@@ -339,37 +343,3 @@ def markdown_table(result: dict) -> str:
         texts.append(f"{r['us']:.1f} ({extra}){bad}")
     lines.append(f"| {shape} | {m} | {n} | {k} | " + " | ".join(texts) + " |")
   return "\n".join(lines) + "\n"
-
-
-def main(argv: Sequence[str] | None = None) -> dict:
-  # JAX and torch share the GPU here: JAX must not grab 75% of it up front (only effective before JAX starts).
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  parser = argparse.ArgumentParser(prog="python -m jaxfp8.bench_gemm", description=__doc__.split("\n")[0])
-  parser.add_argument("--shapes", default=None,
-                      help="N,K pairs separated by ';' (default: DeepSeek-V3 and Qwen3-32B weights)")
-  parser.add_argument("--shapes_json", default=None, help="take the weight shapes from this shapes.json")
-  parser.add_argument("--models", default=None, help="comma-separated model keys of --shapes_json")
-  parser.add_argument("--m", default=None, help="comma-separated M values (default %s)" % ",".join(map(str, DEFAULT_MS)))
-  parser.add_argument("--implementations", default=None, help="comma-separated, from " + ",".join(CONTENDERS))
-  parser.add_argument("--block_size", default="128,128")
-  parser.add_argument("--iterations", type=int, default=30)
-  parser.add_argument("--seed", type=int, default=None)
-  parser.add_argument("--out", default="benchmarks/gemm_h200.json")
-  args = parser.parse_args(argv)
-  if args.shapes:
-    shapes = [(f"{n}x{k}", int(n), int(k)) for n, k in (s.split(",") for s in args.shapes.split(";") if s)]
-  elif args.shapes_json:
-    shapes = shapes_from_json(args.shapes_json, args.models.split(",") if args.models else None)
-  else:
-    shapes = list(DEFAULT_SHAPES)
-  ms = [int(v) for v in args.m.split(",")] if args.m else DEFAULT_MS
-  implementations = args.implementations.split(",") if args.implementations else CONTENDERS
-  block_size = tuple(int(v) for v in args.block_size.split(","))
-  result = run(shapes, ms, implementations, args.out, block_size=block_size, iterations=args.iterations,
-               seed=args.seed)
-  print(markdown_table(result))
-  return result
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:])

@@ -1,6 +1,8 @@
-"""Benchmark of `w8a8_block_fp8_linear` on the GPU: the whole linear vs its parts vs what JAX users do today.
+"""Benchmark of `w8a8_block_fp8_linear`: the whole linear vs its parts vs what JAX users do today
+(`python -m jaxfp8 bench --ops=linear`).
 
-Contenders (names for `contenders`), all timed in one process with CUPTI kernel time (`jaxfp8.timing`):
+Contenders (names for `contenders`), all timed in one process with CUPTI kernel time (`jaxfp8.tools.timing`) on a GPU,
+or with the timer `run` is given (bench's wall clock on CPU):
   "linear":       jitted `w8a8_block_fp8_linear(x, w_q, w_s)` as dispatched here (quantizer + GEMM + any slice).
   "gemm":         the GEMM alone, same implementation, config and buffer layout as the linear's plan (the padded
                   rows, and out_rows = M where the quantizer padded them), on activations quantized beforehand.
@@ -11,18 +13,14 @@ Contenders (names for `contenders`), all timed in one process with CUPTI kernel 
                   kernels writes a linear layer today.
 
 Every output is first checked against the float64 reference on sampled rows and whole column blocks. For M <= 64 a
-row also reports the decode target of issue 5: linear <= 1.1 x gemm + 3 us of kernel time, and the names of the
-kernels one linear call launches (so that anything between the quantizer and the GEMM shows).
+row also reports the decode target, linear <= 1.1 x gemm + 3 us of kernel time, and the names of the kernels one
+linear call launches (so that anything between the quantizer and the GEMM shows).
 
-    python -m jaxfp8.bench_linear --out=benchmarks/linear_h200.json            # shapes.json models, decode + prefill M
-    python -m jaxfp8.bench_linear --models=deepseek_v3 --m=1,64,4096 --out=...
+    python -m jaxfp8 bench --ops=linear --models=deepseek_v3,qwen3_32b --m=1,16,64,512,4096 --out=...
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -30,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfp8 import gemm, linear, quant, shapes, weights
-from jaxfp8.tools import results as _bench_io, bench_gemm, baselines, timing
+from jaxfp8.tools import results as results_io, bench_gemm, baselines, timing
 from jaxfp8 import reference as ref
 
 CONTENDERS = ("linear", "gemm", "quant", "dequant_bf16", "w8a16_bf16")
 DEFAULT_MODELS = ("deepseek_v3", "qwen3_32b")
 DEFAULT_MS = (1, 16, 64, 512, 4096)  # decode (weight streaming) and prefill (compute bound) row counts
 DECODE_M = 64
-BF16_BOUND = 5e-3
+BF16_BOUND = 5e-3  # docs/CONTRACT.md §2: relative Frobenius error of a bf16 output
 
 
 def default_shapes(models: Sequence[str] = DEFAULT_MODELS) -> list[tuple[str, int, int]]:
@@ -82,6 +80,59 @@ def _sample_reference(x, w_q, w_s, block_size, rows: np.ndarray, col_blocks: np.
   return expected, cols
 
 
+def _expectations(args0: tuple, plan: linear.LinearPlan, block_size, sample) -> tuple[dict, np.ndarray]:
+  """The float64 reference of each checked contender on the sample (rows, column blocks), and the sampled columns."""
+  sample_rows, sample_blocks = sample
+  x0, w_q0, w_s0, a_q0, a_s0 = args0
+  m = x0.shape[0]
+  expected, cols = _sample_reference(x0, w_q0, w_s0, block_size, sample_rows, sample_blocks)
+  a_s_rows = np.asarray(a_s0)[:, :m].T if plan.scale_layout == "col" else np.asarray(a_s0)[:m]
+  expected_gemm = ref.block_fp8_matmul(np.asarray(a_q0)[sample_rows], np.asarray(w_q0)[cols],
+                                       a_s_rows[sample_rows], np.asarray(w_s0)[sample_blocks], block_size)
+  # The weight-only baseline does not quantize x: its reference is x @ dequantized w, in float64.
+  expected_w8a16 = np.asarray(x0)[sample_rows].astype(np.float64) @ ref.dequantize_weight_blockwise(
+      np.asarray(w_q0)[cols], np.asarray(w_s0)[sample_blocks], block_size).T
+  return {"linear": expected, "gemm": expected_gemm, "dequant_bf16": expected_gemm,
+          "w8a16_bf16": expected_w8a16}, cols
+
+
+def _time_contender(name: str, fn: Callable, arg_sets: list[tuple], base: dict, expected: np.ndarray | None,
+                    sample: tuple[np.ndarray, np.ndarray], *, iterations: int, timer, kernel_names: bool) -> dict:
+  """The row of one contender: checked on the sample (rows, cols) against `expected` (the quantizer is not), timed."""
+  m, n, k = base["m"], base["n"], base["k"]
+  row = dict(base, contender=name)
+  try:
+    out = jax.block_until_ready(fn(*arg_sets[0]))
+    if expected is not None:
+      got = np.asarray(out).astype(np.float32)[np.ix_(*sample)]
+      row["rel_err"] = ref.relative_error(got, expected)
+      row["within_bf16_bound"] = bool(row["rel_err"] <= BF16_BOUND)
+    us = timer(fn, arg_sets, iterations=iterations)
+    row.update(us=us)
+    if name != "quant":
+      row["tflops"] = 2 * m * n * k / (us * 1e-6) / 1e12
+      if m <= DECODE_M:
+        row["x_weight_floor"] = us / base["weight_floor_us"]
+    if name == "linear" and kernel_names:
+      try:
+        row["kernels"] = timing.kernel_names(fn, arg_sets[0])
+      except Exception as e:  # names are a diagnostic; never fatal
+        row["kernels_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+  except Exception as e:  # a failing contender is reported, not fatal for the others
+    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+  return row
+
+
+def _linear_vs_gemm(base: dict, times: dict[str, float]) -> dict:
+  """The summary row: what the linear adds to its GEMM, and (decode) whether that meets the target."""
+  summary = dict(base, contender="linear_vs_gemm", overhead_us=times["linear"] - times["gemm"],
+                 ratio=times["linear"] / times["gemm"])
+  if base["m"] <= DECODE_M:
+    summary["decode_target_us"] = 1.1 * times["gemm"] + 3.0
+    summary["meets_decode_target"] = bool(times["linear"] <= summary["decode_target_us"])
+  return summary
+
+
 def run(
     shape_list: Sequence[tuple[str, int, int]] | None = None,
     ms: Sequence[int] = DEFAULT_MS,
@@ -117,63 +168,31 @@ def run(
       fns = _contenders(plan, block_size)
       quantize = fns["quant"]
       arg_sets = [(x, w_q, w_s, *quantize(x, w_q, w_s, None, None)) for x, (w_q, w_s) in zip(xs, weight_sets)]
-      sample_rows, sample_blocks = _bench_io.sample_rows_and_blocks(m, n, block_size[0])
-      x0, w_q0, w_s0, a_q0, a_s0 = arg_sets[0]
-      expected, cols = _sample_reference(x0, w_q0, w_s0, block_size, sample_rows, sample_blocks)
-      a_s_rows = np.asarray(a_s0)[:, :m].T if plan.scale_layout == "col" else np.asarray(a_s0)[:m]
-      expected_gemm = ref.block_fp8_matmul(np.asarray(a_q0)[sample_rows], np.asarray(w_q0)[cols],
-                                           a_s_rows[sample_rows], np.asarray(w_s0)[sample_blocks], block_size)
-      # The weight-only baseline does not quantize x: its reference is x @ dequantized w, in float64.
-      expected_w8a16 = np.asarray(x0)[sample_rows].astype(np.float64) @ ref.dequantize_weight_blockwise(
-          np.asarray(w_q0)[cols], np.asarray(w_s0)[sample_blocks], block_size).T
-      expectations = {"linear": expected, "gemm": expected_gemm, "dequant_bf16": expected_gemm,
-                      "w8a16_bf16": expected_w8a16}
-      floor_us = n * k / bench_gemm.HBM_BYTES_PER_S * 1e6
+      sample = results_io.sample_rows_and_blocks(m, n, block_size[0])
+      expectations, cols = _expectations(arg_sets[0], plan, block_size, sample)
       base = dict(shape=shape_name, m=m, n=n, k=k, block_size=list(block_size), rotation_sets=sets,
-                  weight_floor_us=floor_us, plan=str(plan), implementation=plan.implementation,
-                  quant_implementation=plan.quant_implementation)
+                  weight_floor_us=n * k / bench_gemm.HBM_BYTES_PER_S * 1e6, plan=str(plan),
+                  implementation=plan.implementation, quant_implementation=plan.quant_implementation)
       times: dict[str, float] = {}
       for name in contenders:
-        fn = fns[name]
-        row = dict(base, contender=name)
-        try:
-          out = jax.block_until_ready(fn(*arg_sets[0]))
-          if name != "quant":
-            got = np.asarray(out).astype(np.float32)[np.ix_(sample_rows, cols)]
-            row["rel_err"] = ref.relative_error(got, expectations[name])
-            row["within_bf16_bound"] = bool(row["rel_err"] <= BF16_BOUND)
-          us = timer(fn, arg_sets, iterations=iterations)
-          times[name] = us
-          row.update(us=us)
-          if name != "quant":
-            row["tflops"] = 2 * m * n * k / (us * 1e-6) / 1e12
-          if m <= DECODE_M and name != "quant":
-            row["x_weight_floor"] = us / floor_us
-          if name == "linear" and record_kernel_names:
-            try:
-              row["kernels"] = timing.kernel_names(fn, arg_sets[0])
-            except Exception as e:  # names are a diagnostic; never fatal
-              row["kernels_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        except Exception as e:  # a failing contender is reported, not fatal for the others
-          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row = _time_contender(name, fns[name], arg_sets, base, expectations.get(name), (sample[0], cols),
+                              iterations=iterations, timer=timer, kernel_names=record_kernel_names)
+        if "us" in row:
+          times[name] = row["us"]
         rows_out.append(row)
         log(format_row(row))
       if "linear" in times and "gemm" in times:
-        summary = dict(base, contender="linear_vs_gemm", overhead_us=times["linear"] - times["gemm"],
-                       ratio=times["linear"] / times["gemm"])
-        if m <= DECODE_M:
-          summary["decode_target_us"] = 1.1 * times["gemm"] + 3.0
-          summary["meets_decode_target"] = bool(times["linear"] <= summary["decode_target_us"])
-        rows_out.append(summary)
-        log(format_row(summary))
+        rows_out.append(_linear_vs_gemm(base, times))
+        log(format_row(rows_out[-1]))
       del arg_sets, xs
     del weight_sets
   result = dict(
       benchmark="w8a8_block_fp8_linear (bf16 activations, block-FP8 weights, bf16 output) vs its parts and baselines",
-      **_bench_io.run_metadata(), seed=seed, timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
+      **results_io.run_metadata(), seed=seed,
+      timing=timing_label or f"CUPTI kernel time (all kernels of a call), median of {iterations} calls",
       weight_floor=f"N*K bytes / {bench_gemm.HBM_BYTES_PER_S / 1e12} TB/s",
       decode_target="for M <= 64: linear <= 1.1 x gemm + 3 us", rows=rows_out)
-  _bench_io.write_results(result, out_json, markdown_table)
+  results_io.write_results(result, out_json, markdown_table)
   return result
 
 
@@ -223,34 +242,3 @@ def markdown_table(result: dict) -> str:
     path = f"{any_row.get('quant_implementation', '?')}+{any_row.get('implementation', '?')}"
     lines.append(f"| {shape} | {m} | {n} | {k} | {path} | " + " | ".join(texts) + f" | {overhead} | {target} |")
   return "\n".join(lines) + "\n"
-
-
-def main(argv: Sequence[str] | None = None) -> dict:
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  parser = argparse.ArgumentParser(prog="python -m jaxfp8.bench_linear", description=__doc__.split("\n")[0])
-  parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                      help="comma-separated model keys of shapes.json (default %(default)s; 'all' for every model)")
-  parser.add_argument("--shapes", default=None, help="N,K pairs separated by ';' (instead of --models)")
-  parser.add_argument("--m", default=",".join(map(str, DEFAULT_MS)), help="comma-separated M (default %(default)s)")
-  parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from %(default)s")
-  parser.add_argument("--block_size", default="128,128")
-  parser.add_argument("--iterations", type=int, default=30)
-  parser.add_argument("--seed", type=int, default=None)
-  parser.add_argument("--out", default="benchmarks/linear_h200.json")
-  args = parser.parse_args(argv)
-  if args.shapes:
-    shape_list = [(f"{n}x{k}", int(n), int(k)) for n, k in (s.split(",") for s in args.shapes.split(";") if s)]
-  elif args.models == "all":
-    shape_list = [(name.replace("/", "."), n, k) for name, n, k in shapes.weight_shapes()
-                  if not name.startswith("unaligned")]
-  else:
-    shape_list = default_shapes(tuple(args.models.split(",")))
-  result = run(shape_list, [int(v) for v in args.m.split(",")], args.contenders.split(","), args.out,
-               block_size=tuple(int(v) for v in args.block_size.split(",")), iterations=args.iterations,
-               seed=args.seed)
-  print(markdown_table(result))
-  return result
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:])

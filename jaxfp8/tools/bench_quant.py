@@ -1,6 +1,8 @@
-"""Benchmark of the activation quantizers on the GPU: CUPTI kernel times, bytes moved, share of copy bandwidth.
+"""Benchmark of the activation quantizers (`python -m jaxfp8 bench --ops=quant`): kernel times, bytes moved, share of
+the copy bandwidth.
 
-All implementations and the copy-bandwidth ceiling are measured in the same process, so ratios are meaningful.
+All implementations and the copy-bandwidth ceiling are measured in the same process, so ratios are meaningful. On a
+GPU the times are CUPTI kernel times; `run` takes another timer (bench's wall clock on CPU).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfp8 import quant
-from jaxfp8.tools import results as _bench_io, timing
+from jaxfp8.tools import results as results_io, timing
 
 DEFAULT_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 DEFAULT_KS = (512, 2048, 7168, 18432)
@@ -35,7 +37,8 @@ def quant_bytes(m: int, k: int, group_size: int, in_itemsize: int = 2) -> int:
   return m * k * in_itemsize + m_pad * k + (k // group_size) * m_pad * 4
 
 
-def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS, implementations: Sequence[str] = quant.IMPLEMENTATIONS,
+def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS,
+        implementations: Sequence[str] = quant.IMPLEMENTATIONS,
         group_size: int = 128, out_json: str | None = None, iterations: int = 30, log=print,
         timer: Timer | None = None, copy_bandwidth: float | None = None,
         timing_label: str | None = None) -> dict:
@@ -65,9 +68,9 @@ def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS, implemen
         log(format_row(row))
   result = dict(
       benchmark="per_token_group_quant_fp8_row_padded (bf16 in, group 128, rows padded to 4, column-major scales)",
-      **_bench_io.run_metadata(), copy_bandwidth_tbps=copy_bw / 1e12,
+      **results_io.run_metadata(), copy_bandwidth_tbps=copy_bw / 1e12,
       timing=timing_label or "CUPTI kernel time, median of %d calls" % iterations, rows=rows)
-  _bench_io.write_results(result, out_json)
+  results_io.write_results(result, out_json)
   return result
 
 

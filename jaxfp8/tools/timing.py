@@ -90,7 +90,8 @@ def median_kernel_us_by_name(
           {name: statistics.median(times) for name, times in by_name.items()})
 
 
-def kernel_names(fn: Callable[..., Any], args: tuple, *, sync: Callable[[Any], None] = jax.block_until_ready) -> list[str]:
+def kernel_names(fn: Callable[..., Any], args: tuple, *,
+                 sync: Callable[[Any], None] = jax.block_until_ready) -> list[str]:
   """Names of the kernels one call of `fn(*args)` launches (to check that a timed call ran what we think)."""
   ext = _cupti_ext()
   sync(fn(*args))
