@@ -2,7 +2,8 @@
 # The standard GPU round. One device call can hold about 10 minutes, so the round is split into phases:
 #   scripts/gpu_round.sh PHASE [PHASE ...]        e.g.  scripts/gpu_round.sh tests-quant bench-quant
 # Phases (rough H200 wall times as measured):
-#   tests-all     the quant, GEMM, linear and extremes tests at once in two pytest-xdist groups sharing the GPU
+#   tests-all     the GPU-marked GEMM tests, and the quant, linear, weights, nn, sharding, extremes, edges,
+#                 transforms, gradient and example tests (kernels native) at once in two pytest-xdist groups sharing the GPU
 #                 (TEST_WORKERS, default 4, and 2 more; the image has pytest-xdist): compiling is the slow part.
 #                 With TEST_WORKERS=8: GEMM group 3 min, quant+linear group 3.5 min
 #   tests-quant   tests/test_quant.py + tests/test_quant_mosaic.py natively (~4-5 min)
@@ -94,7 +95,8 @@ for phase in "${phases[@]}"; do
       start_bg tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
         -n "$workers" "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml"
       start_bg tests_quant_linear python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py tests/test_linear.py \
-        tests/test_weights.py tests/test_nn.py tests/test_sharding.py tests/test_extremes.py -n "$((workers + 2))" \
+        tests/test_weights.py tests/test_nn.py tests/test_sharding.py tests/test_extremes.py tests/test_edges.py \
+        tests/test_transforms.py tests/test_grad.py tests/test_examples.py -n "$((workers + 2))" \
         "${parallel_args[@]}" --junitxml="$out/tests_quant_linear.junit.xml"
       wait_bg ;;
     tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \

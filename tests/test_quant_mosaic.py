@@ -232,11 +232,17 @@ def test_pad_rows_beyond_the_input_and_scale_only_columns(rng):
 def test_quotients_next_to_an_fp8_midpoint():
   """x / s that XLA's reciprocal multiply (x * (1/s)) rounds onto an fp8 rounding midpoint, where round-to-even
   then picks the wrong neighbour: -0.0511 / s is -215.99998 (code -208), but x * (1/s) is -216.0 (code -224). Found by
-  a random f16 case in interpret mode; the kernel interpreted divides correctly rounded, like div.rn.f32 on the GPU."""
+  a random f16 case in interpret mode, where the kernel divides correctly rounded. Natively the kernel's hardware
+  division is not correctly rounded (docs/CONTRACT.md §1): these adversarial quotients may come out one step off."""
   x = np.zeros((1, 4, 128), np.float16)
   x[0, :, 0] = np.float16(0.10596)  # amax: s = 0.10596 / 448 = 0.00023651125
   x[0, 0, 1], x[0, 1, 1] = np.float16(-0.051086426), np.float16(0.014663696)  # -215.99998 and 61.999996
   x[0, 2, 0], x[0, 2, 1] = np.float16(6.78125), np.float16(-1.1503906)  # s = 0.01513672: -75.99999
+  if ON_GPU:
+    q, _ = _quantize(x, [4], 128, layout="col")
+    q_ref, _ = _expected(x, [4], 128, layout="col")
+    assert ref.fp8_code_distance(np.asarray(q), q_ref).max() <= 1
+    return
   q, _ = _check(x, [4], 128, layout="col")
   assert q[0, 0, 1].astype(np.float32) == -208 and q[0, 1, 1].astype(np.float32) == 60, (q[0, 0, 1], q[0, 1, 1])
 
