@@ -1,7 +1,17 @@
 # `make run`: the main job; `make test`: the CPU test suite (incl. both notebooks); `make bench-cpu`: the benchmark
-# command on a tiny shape list. All create .venv (Python >= 3.12) on first use.
+# command on a tiny shape list. All create .venv (Python >= 3.12, the newest JAX the supported range admits) on first
+# use. `make test-jax-0.11`: the same suite in .venv-jax0.11 against the oldest JAX of the range (CI runs both).
 VENV := .venv
 PY := $(VENV)/bin/python
+OLDEST_JAX := 0.11.2
+OLD_VENV := .venv-jax0.11
+OLD_PY := $(OLD_VENV)/bin/python
+# One seed for a whole run, printed first (and in pytest's header): JAXFP8_TEST_SEED=<seed> make test reproduces it.
+define run_suite
+@seed=$${JAXFP8_TEST_SEED:-$$($(1) -c 'import secrets; print(secrets.randbelow(2**32))')}; \
+echo "JAXFP8_TEST_SEED=$$seed ($$($(1) -c 'import jax; print("jax", jax.__version__)'))"; \
+JAXFP8_TEST_SEED=$$seed $(1) -m pytest -q -n 2 -p no:cacheprovider
+endef
 # A tiny shape list: seconds on CPU, only to exercise `python -m jaxfp8 bench` (CPU times say nothing about GPUs).
 BENCH_CPU_SHAPES := 1,256,512;16,256,512;8,512,1024
 
@@ -11,15 +21,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: run test bench-cpu plots notebooks gpu-round
+$(OLD_VENV)/.installed: pyproject.toml
+	test -x $(OLD_PY) || $$(scripts/find_python.sh) -m venv $(OLD_VENV)
+	$(OLD_PY) -m pip install -q --upgrade pip
+	$(OLD_PY) -m pip install -q -e '.[test]' 'jax==$(OLDEST_JAX)' 'jaxlib==$(OLDEST_JAX)'
+	touch $@
+
+.PHONY: run test test-jax-0.11 bench-cpu plots notebooks gpu-round
 run: $(VENV)/.installed
 	$(PY) -m jaxfp8
 
-# One seed for the whole run, printed first (and in pytest's header): JAXFP8_TEST_SEED=<seed> make test reproduces it.
 test: $(VENV)/.installed
-	@seed=$${JAXFP8_TEST_SEED:-$$($(PY) -c 'import secrets; print(secrets.randbelow(2**32))')}; \
-	echo "JAXFP8_TEST_SEED=$$seed"; \
-	JAXFP8_TEST_SEED=$$seed $(PY) -m pytest -q -n 2 -p no:cacheprovider
+	$(call run_suite,$(PY))
+
+test-jax-0.11: $(OLD_VENV)/.installed
+	$(call run_suite,$(OLD_PY))
 
 bench-cpu: $(VENV)/.installed
 	$(PY) -m jaxfp8 bench --shapes='$(BENCH_CPU_SHAPES)' --iterations=3 --out=build/bench_cpu.json

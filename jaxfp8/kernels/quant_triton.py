@@ -55,20 +55,18 @@ def _divide(x: jax.Array, s: jax.Array, r: jax.Array, *, interpret: bool) -> jax
 
   An IEEE divide per element (div.rn.f32) costs a long instruction sequence and made the kernel compute-bound;
   Triton's own f32 `/` is approximate. Instead: q0 = RN(x * r), the exact residual x - q0 * s by one FMA, and one
-  FMA correction q0 + residual * r, which is the correctly rounded quotient when r = RN(1/s) (Markstein), with q0's
-  sign (an exact zero's residual is +0 whatever x's sign, and -0 is a code of its own). Infinite
+  FMA correction q0 + residual * r, which is the correctly rounded quotient when r = RN(1/s) (Markstein). Infinite
   scales (a group holding inf) take the plain quotient, whose x/inf = 0 and inf/inf = NaN are what IEEE gives.
   """
   if interpret:  # XLA executes the body: its `/` becomes a reciprocal multiply
     return exact_division.divide_correctly_rounded(x, s)
   (corrected,) = plt.elementwise_inline_asm(
       """{
-      .reg .f32 q0, neg_q0, residual, quotient;
+      .reg .f32 q0, neg_q0, residual;
       mul.rn.f32 q0, $1, $3;
       neg.f32 neg_q0, q0;
       fma.rn.f32 residual, neg_q0, $2, $1;
-      fma.rn.f32 quotient, residual, $3, q0;
-      copysign.f32 $0, q0, quotient;
+      fma.rn.f32 $0, residual, $3, q0;
       }""",
       args=[x, s, r], constraints="=r,r,r,r", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
