@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -302,12 +303,18 @@ def test_no_data_races_in_the_pipeline():
   x = random_activations(np.random.default_rng(0), (1, 9, 2 * 256), INPUT_DTYPES["f16"])
   config = Config(block_rows=4, groups_per_block=4, blocks_per_cta=4, num_stages=2)
   for out_rows, expect_races in ((9, True), (12, False)):
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
-      q, s = _launch(
-          jnp.asarray(x), jnp.array([9], jnp.int32), group_size=16, eps=1e-10, out_rows=out_rows, scale_layout="row",
-          scale_cols=0, scale_ue8m0=True, fuse_silu_and_mul=True, config=config)
-      jax.block_until_ready((q, s))
-    assert races().races_found == expect_races, f"out_rows={out_rows}"
+    try:
+      with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+        q, s = _launch(
+            jnp.asarray(x), jnp.array([9], jnp.int32), group_size=16, eps=1e-10, out_rows=out_rows,
+            scale_layout="row", scale_cols=0, scale_ue8m0=True, fuse_silu_and_mul=True, config=config)
+        jax.block_until_ready((q, s))
+      found = races().races_found
+    except Exception as e:  # noqa: BLE001 - JAX 0.12's detector raises at the first race instead of recording it
+      if "RACE DETECTED" not in "".join(traceback.format_exception(e)):
+        raise
+      found = True
+    assert found == expect_races, f"out_rows={out_rows}"
   q_ref, s_ref = _expected(x, [9], 16, layout="row", ue8m0=True, fuse=True, out_rows=12)
   _assert_close_after_silu(q, s, q_ref, s_ref, x.dtype, packed=False, context="race test")
 
