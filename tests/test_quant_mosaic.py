@@ -51,7 +51,7 @@ def _launch(x, valid_rows, *, config=None, **kwargs):
                       eps=kwargs["eps"], scale_layout=kwargs["scale_layout"], scale_ue8m0=kwargs["scale_ue8m0"],
                       fuse_silu_and_mul=kwargs["fuse_silu_and_mul"])
     p = dataclasses.replace(p, out_rows=kwargs["out_rows"], scale_cols=kwargs["scale_cols"])
-    config, _ = quant_mosaic_backend.default_config(p, _platform.device())
+    config, _ = quant_mosaic_backend.default_config_for(p, _platform.device())
   return qm.per_token_group_quant(x, valid_rows, config=config, **kwargs)
 
 

@@ -76,7 +76,7 @@ def test_quant_interpret_must_be_none_or_bool():
 
 
 def test_quant_config_is_refused_for_xla():
-  with pytest.raises(ValueError, match="config applies to the 'triton' and 'mosaic' quantizers, not 'xla'"):
+  with pytest.raises(ValueError, match="config applies to the 'triton' and 'mosaic' implementations, not 'xla'"):
     jaxfp8.per_token_group_quant_fp8(_x(), 128, implementation="xla", config=object())
 
 

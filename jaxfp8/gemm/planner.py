@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import _platform
+from jaxfp8 import _planning, _platform
 from jaxfp8.gemm import mosaic, triton, xla
 
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
@@ -91,26 +91,13 @@ def _default(p: GemmProblem, device: _platform.Device, interpret: bool) -> tuple
   return "xla", f"{triton_why}: XLA"
 
 
-def _implied_implementation(config) -> str:
-  for name, backend in BACKENDS.items():
-    if backend.CONFIG_CLASS is not None and isinstance(config, backend.config_class()):
-      return name
-  raise TypeError(f"config must be a TritonGemmConfig or a MosaicGemmConfig, got {type(config).__name__}")
-
-
 def choose(p: GemmProblem, *, implementation: str | None = None, config=None, interpret: bool | None = None,
            device: _platform.Device | None = None) -> tuple[str, str]:
   """(implementation, reason): the implementation a call runs, checked to be able to run `p` here."""
   device = device or _platform.device()
   interpret = _platform.resolve_interpret(interpret)
-  if implementation is None and config is not None:
-    implementation, reason = _implied_implementation(config), f"a {type(config).__name__} was given"
-  elif implementation is None:
-    implementation, reason = _default(p, device, interpret)
-  else:
-    if implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    reason = f"implementation={implementation!r} was asked for"
+  implementation, reason = _planning.requested(implementation, config, BACKENDS, option="implementation",
+                                               default=lambda: _default(p, device, interpret))
   backend = BACKENDS[implementation]
   others = " or ".join(repr(name) for name in IMPLEMENTATIONS if name != implementation)
   if why := backend.unavailable(device, interpret):
@@ -141,12 +128,7 @@ def plan(p: GemmProblem, *, implementation: str | None = None, config=None, inte
   if config is None:
     config, config_reason = backend.default_config_for(p, device)
   else:
-    if backend.CONFIG_CLASS is None:
-      raise ValueError(f"config applies to the 'triton' and 'mosaic' implementations, not {implementation!r}; "
-                       f"got config={config!r}")
-    if not isinstance(config, backend.config_class()):
-      raise TypeError(f"config for implementation={implementation!r} must be a {backend.CONFIG_CLASS}, "
-                      f"got {type(config).__name__}")
+    _planning.given_config(backend, implementation, config, option="implementation")
     if problem_text := backend.config_problem(p, config):
       raise ValueError(f"config {config} cannot run this problem: {problem_text}")
     config_reason = "given"

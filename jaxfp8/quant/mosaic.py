@@ -36,7 +36,7 @@ def _pow2_floor(n: int) -> int:
   return 1 << (n.bit_length() - 1)
 
 
-def default_config(problem, device: _platform.Device):
+def default_config_for(problem, device: _platform.Device):
   """One 16-row block of about TARGET_BLOCK_BYTES per CTA; with few rows (decode), fewer rows per CTA while that
   leaves fewer than two CTAs per SM, so that the whole GPU pulls on the memory system."""
   itemsize = 4 if problem.dtype == "float32" else 2

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import _checks, _platform
+from jaxfp8 import _checks, _planning, _platform
 from jaxfp8.quant import mosaic, triton, xla
 
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
@@ -109,13 +109,6 @@ def _default(p: QuantProblem, device: _platform.Device, interpret: bool) -> tupl
   return "xla", f"GPU {device.describe()} has no FP8 conversions: XLA"
 
 
-def _implied_implementation(config) -> str:
-  for name, backend in BACKENDS.items():
-    if backend.CONFIG_CLASS is not None and isinstance(config, backend.config_class()):
-      return name
-  raise TypeError(f"config must be a QuantTritonConfig or a QuantMosaicConfig, got {type(config).__name__}")
-
-
 def plan(p: QuantProblem, *, implementation: str | None = None, config=None, interpret: bool | None = None,
          device: _platform.Device | None = None, reason: str | None = None, option: str = "implementation"
          ) -> QuantPlan:
@@ -125,29 +118,17 @@ def plan(p: QuantProblem, *, implementation: str | None = None, config=None, int
   reason_override = reason
   device = device or _platform.device()
   interpret = _platform.resolve_interpret(interpret)
-  if implementation is None and config is not None:
-    implementation = _implied_implementation(config)
-    reason = f"a {type(config).__name__} was given"
-  elif implementation is None:
-    implementation, reason = _default(p, device, interpret)
-  else:
-    if implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"{option} must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    reason = f"{option}={implementation!r} was asked for"
+  implementation, reason = _planning.requested(implementation, config, BACKENDS, option=option,
+                                               default=lambda: _default(p, device, interpret))
   backend = BACKENDS[implementation]
   if why := backend.unavailable(device, interpret):
     raise ValueError(f"{option}={implementation!r} {why}, or use {option}='xla'")
   if why := backend.unsupported(p):
     raise ValueError(f"{option}={implementation!r} cannot quantize this: {why}")
   if config is None:
-    config, config_reason = backend.default_config(p, device)
+    config, config_reason = backend.default_config_for(p, device)
   else:
-    if backend.CONFIG_CLASS is None:
-      raise ValueError(f"config applies to the 'triton' and 'mosaic' quantizers, not {implementation!r}; "
-                       f"got config={config!r}")
-    if not isinstance(config, backend.config_class()):
-      raise TypeError(f"config for {option}={implementation!r} must be a {backend.CONFIG_CLASS}, "
-                      f"got {type(config).__name__}")
+    _planning.given_config(backend, implementation, config, option=option)
     config_reason = "given"
   return QuantPlan(p, implementation, config, interpret, reason_override or reason, config_reason)
 

@@ -31,7 +31,7 @@ def _next_power_of_2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def default_config(problem, device: _platform.Device):
+def default_config_for(problem, device: _platform.Device):
   """A 4-row by 512-column tile per program: many small programs in flight for the memory system (4-row tiles beat
   16- and 32-row ones at every M on the H200, scripts/sweep_quant_triton.py)."""
   del device

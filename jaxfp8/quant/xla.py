@@ -101,7 +101,7 @@ def unsupported(problem) -> str | None:
   return None
 
 
-def default_config(problem, device):
+def default_config_for(problem, device):
   del problem, device
   return None, "XLA has no kernel config"
 
