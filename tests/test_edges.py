@@ -54,6 +54,16 @@ def test_the_smallest_eps_gives_finite_scales_and_exact_codes(implementation, rn
 
 # ---- scales across float32's range --------------------------------------------------------------------------------
 
+def _assert_codes_exact_but_subnormals(q, ref_q, x):
+  """Codes exact, a zero's sign aside, except that a float32-subnormal input may be one step off (docs/CONTRACT.md
+  §1: hardware that flushes subnormals, XLA's CPU included, reads it as 0, which matters where the group's scale is
+  below 2**-116)."""
+  dist = ref.fp8_code_distance(np.asarray(q), ref_q)
+  subnormal = np.abs(x) < np.finfo(np.float32).tiny
+  assert not dist[~subnormal].any(), f"{np.count_nonzero(dist[~subnormal])} codes of normal inputs differ"
+  assert dist.max(initial=0) <= 1
+
+
 @pytest.mark.parametrize("exponent", [-110, -60, 30, 105, 110, 120])
 def test_codes_are_exact_at_any_scale(exponent, rng):
   """Groups whose scale is near either end of float32: the correctly rounded quotient everywhere (the division used
@@ -61,11 +71,12 @@ def test_codes_are_exact_at_any_scale(exponent, rng):
   x = (rng.standard_normal((64, 512)) * np.exp2(np.float64(exponent))).astype(np.float32)
   q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, implementation="xla")
   ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128)
-  assert_matches_reference(q, s, ref_q, ref_s)
+  np.testing.assert_array_equal(np.asarray(s).view(np.uint32), ref_s.view(np.uint32))
+  _assert_codes_exact_but_subnormals(q, ref_q, x)
   w_q, w_s = jaxfp8.quantize_weight_blockwise(jnp.asarray(x[:, :256]), (32, 128))
   ref_wq, ref_ws = ref.quantize_weight_blockwise(x[:, :256], (32, 128))
   np.testing.assert_array_equal(np.asarray(w_s).view(np.uint32), ref_ws.view(np.uint32))
-  np.testing.assert_array_equal(np.asarray(w_q).view(np.uint8), ref_wq.view(np.uint8))
+  _assert_codes_exact_but_subnormals(w_q, ref_wq, x[:, :256])
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
