@@ -4,8 +4,9 @@ Pallas kernels for NVIDIA Hopper (Mosaic GPU), portable Pallas-Triton kernels fo
 every other platform, behind one API. `jaxfp8.reference` is the float64 NumPy oracle of the numerical contract.
 """
 
-from jaxfp8 import checkpoints, gemm, linear, quant, reference, weights
+from jaxfp8 import checkpoints, gemm, grouped, linear, quant, reference, weights
 from jaxfp8.gemm import TritonGemmConfig, w8a8_block_fp8_matmul
+from jaxfp8.grouped import masked_w8a8_block_fp8_matmul, ragged_w8a8_block_fp8_matmul
 from jaxfp8.linear import w8a8_block_fp8_linear
 from jaxfp8.quant import per_token_group_quant_fp8, per_token_group_quant_fp8_row_padded
 from jaxfp8.checkpoints import load_hf_fp8_linears, save_hf_fp8_linears
@@ -22,6 +23,9 @@ __all__ = [
     "per_token_group_quant_fp8_row_padded",
     "w8a8_block_fp8_matmul",
     "TritonGemmConfig",
+    "grouped",
+    "ragged_w8a8_block_fp8_matmul",
+    "masked_w8a8_block_fp8_matmul",
     "linear",
     "weights",
     "w8a8_block_fp8_linear",

@@ -26,11 +26,14 @@ def requested(implementation: str | None, config, backends: Mapping[str, ModuleT
   raise TypeError(f"config must be a {kinds}, got {type(config).__name__}")
 
 
-def given_config(backend: ModuleType, implementation: str, config, *, option: str) -> None:
-  """Refuses a config that is not `backend`'s kind (naming `option`'s value), or any config for XLA."""
+def given_config(backend: ModuleType, implementation: str, config, *, option: str,
+                 kernels: tuple[str, ...] = ("triton", "mosaic")) -> None:
+  """Refuses a config that is not `backend`'s kind (naming `option`'s value), or any config for XLA. `kernels`: the
+  op's implementations that take a config."""
   if backend.CONFIG_CLASS is None:
-    kinds = "'triton' and 'mosaic'"
-    raise ValueError(f"config applies to the {kinds} implementations, not {implementation!r}; got config={config!r}")
+    kinds = " and ".join(repr(name) for name in kernels)
+    noun = "implementations" if len(kernels) > 1 else "implementation"
+    raise ValueError(f"config applies to the {kinds} {noun}, not {implementation!r}; got config={config!r}")
   if not isinstance(config, backend.config_class()):
     raise TypeError(f"config for {option}={implementation!r} must be a {backend.CONFIG_CLASS}, "
                     f"got {type(config).__name__}")

@@ -159,6 +159,48 @@ def block_fp8_matmul(a_q, b_q, a_s, b_s, block_size, *, a_s_column_major: bool =
   return out
 
 
+def ragged_group_bounds(group_sizes, m: int) -> np.ndarray:
+  """(E, 2) row ranges [start, end) of the ragged layout's groups (docs/CONTRACT.md §7): negative sizes count as 0,
+  and the groups are cut at M."""
+  sizes = np.clip(np.asarray(group_sizes).astype(np.int64), 0, None)
+  ends = np.minimum(np.cumsum(sizes), m)
+  starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+  return np.stack([starts, ends], axis=1)
+
+
+def ragged_block_fp8_matmul(a_q, b_q, a_s, b_s, group_sizes, block_size, *,
+                            a_s_column_major: bool = False) -> np.ndarray:
+  """docs/CONTRACT.md §7, ragged layout, in float64: a_q (M, K) rows sorted by group, b_q (E, N, K), b_s (E, ...).
+  Each group's rows take §2 with that group's weight; rows no group owns are 0. Returns (M, N) float64."""
+  a_q = np.asarray(a_q)
+  m = a_q.shape[0]
+  n = np.asarray(b_q).shape[1]
+  a_s = np.asarray(a_s, np.float32)
+  a_s = a_s[:, :m].T if a_s_column_major else a_s[:m]
+  out = np.zeros((m, n), np.float64)
+  for e, (start, end) in enumerate(ragged_group_bounds(group_sizes, m)):
+    if end > start:
+      out[start:end] = block_fp8_matmul(a_q[start:end], b_q[e], a_s[start:end], b_s[e], block_size)
+  return out
+
+
+def masked_block_fp8_matmul(a_q, b_q, a_s, b_s, masked_m, block_size, *,
+                            a_s_column_major: bool = False) -> np.ndarray:
+  """docs/CONTRACT.md §7, masked layout, in float64: a_q (E, T, K), a_s (E, T, G) or column-major (E, G, T'),
+  b_q (E, N, K); rows t >= masked_m[e] are 0. Returns (E, T, N) float64."""
+  a_q = np.asarray(a_q)
+  num_groups, rows = a_q.shape[:2]
+  n = np.asarray(b_q).shape[1]
+  out = np.zeros((num_groups, rows, n), np.float64)
+  for e in range(num_groups):
+    live = int(np.clip(np.asarray(masked_m)[e], 0, rows))
+    if live:
+      scales = np.asarray(a_s[e], np.float32)
+      scales = scales[:, :live].T if a_s_column_major else scales[:live]
+      out[e, :live] = block_fp8_matmul(a_q[e, :live], b_q[e], scales, b_s[e], block_size)
+  return out
+
+
 def cast_output(c: np.ndarray, out_dtype) -> np.ndarray:
   """The final cast of docs/CONTRACT.md §2: float64 -> float32 -> out_dtype (what an f32 accumulator then a cast gives)."""
   return np.asarray(c, np.float64).astype(np.float32).astype(np.dtype(out_dtype))

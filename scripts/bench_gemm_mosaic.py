@@ -216,7 +216,7 @@ class _UnscaledPlgpu:
 
 
 def _unscaled_step(carry, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg, num_k_blocks, num_n_blocks):
-  """The step of gm._scaled_mma_step with the promotion taken out: every K block accumulates in the wgmma
+  """The step of gm.scaled_mma_step with the promotion taken out: every K block accumulates in the wgmma
   accumulator; one wait per step, so that the pipeline may release the step's SMEM. The carry's weight scales pass
   through unused."""
   del as_smem, bs_gmem, k_step, col0, num_k_blocks, num_n_blocks
@@ -237,12 +237,12 @@ def _unscaled_step(carry, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg
 def unscaled_promotion():
   """Diagnostic (module docstring, --unscaled): traces gm's warp-specialized kernel without the block-scale
   promotion. Only for timing; restores the module on exit."""
-  saved = gm.plgpu, gm._scaled_mma_step
-  gm.plgpu, gm._scaled_mma_step = _UnscaledPlgpu(), _unscaled_step
+  saved = gm.plgpu, gm.scaled_mma_step
+  gm.plgpu, gm.scaled_mma_step = _UnscaledPlgpu(), _unscaled_step
   try:
     yield
   finally:
-    gm.plgpu, gm._scaled_mma_step = saved
+    gm.plgpu, gm.scaled_mma_step = saved
 
 
 def _short(e: BaseException) -> str:

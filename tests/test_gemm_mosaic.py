@@ -269,7 +269,7 @@ def test_no_data_races(rng, kind, capfd):
   # The interpreter's happens-before race detector, e.g. on the epilogue's SMEM slots against their TMA stores. In JAX
   # 0.11.2 it also flags the warp-specialized pipeline's own protocol (the producer's TMA write of a stage against the
   # consumer's earlier read of it, ordered by the consumed barrier that it does not model): those reports, and only
-  # those, name the scale load in _scaled_mma_step; every other report fails the test.
+  # those, name the scale load in scaled_mma_step; every other report fails the test.
   # JAX 0.12's detector raises at the first race instead of printing each: its report is then the exception's.
   a_q, b_q, a_s, b_s = _quantized_problem(rng, 132, 256, 256)
   try:
@@ -283,7 +283,7 @@ def test_no_data_races(rng, kind, capfd):
       raise
     out = None
   reports = text.split("RACE DETECTED")[1:]
-  unexplained = [r for r in reports if "_scaled_mma_step" not in r]
+  unexplained = [r for r in reports if "scaled_mma_step" not in r]
   assert not unexplained, unexplained[0]
   if not KINDS[kind].warp_specialized:
     assert not reports

@@ -197,7 +197,7 @@ class MosaicGemmConfig:
 # ------------------------------------------------------------------------------------------------ the math, per step
 
 
-def _zero_accumulators(cfg: MosaicGemmConfig) -> tuple[jax.Array, ...]:
+def zero_accumulators(cfg: MosaicGemmConfig) -> tuple[jax.Array, ...]:
   wg_m, wg_n = cfg.wg_tile
   zeros = plgpu.layout_cast(jnp.zeros((WGMMA_M, cfg.sub_n), jnp.float32), plgpu.Layout.WGMMA)
   return tuple(zeros for _ in range((wg_m // WGMMA_M) * (wg_n // cfg.sub_n)))
@@ -232,14 +232,14 @@ def _step_weight_scales(bs_gmem, k_step, col0, cfg: MosaicGemmConfig, num_k_bloc
       for kb in range(kbps) for j in range(subs_n))
 
 
-def _initial_carry(bs_gmem, col0, cfg: MosaicGemmConfig, num_k_blocks: int, num_n_blocks: int):
+def initial_carry(bs_gmem, col0, cfg: MosaicGemmConfig, num_k_blocks: int, num_n_blocks: int):
   """The pipeline's carry before step 0: zero accumulators, and step 0's weight scales with
   `cfg.weight_scales_ahead` (else nothing)."""
   ahead = _step_weight_scales(bs_gmem, 0, col0, cfg, num_k_blocks, num_n_blocks) if cfg.weight_scales_ahead else ()
-  return _zero_accumulators(cfg), ahead
+  return zero_accumulators(cfg), ahead
 
 
-def _scaled_mma_step(
+def scaled_mma_step(
     carry, a_smem, b_smem, as_smem, bs_gmem, *, k_step, col0, cfg: MosaicGemmConfig, num_k_blocks: int,
     num_n_blocks: int,
 ):
@@ -341,7 +341,7 @@ def _epilogue(accs, slots, out_gmem, bias_gmem, row0, col0, cfg: MosaicGemmConfi
       slot = 1 - slot
 
 
-def _in_specs(cfg: MosaicGemmConfig, m_idx, n_idx):
+def in_specs(cfg: MosaicGemmConfig, m_idx, n_idx):
   """A tile, B tile and activation scales of pipeline step k; the operands a CTA cluster shares are multicast."""
   bk = BLOCK * cfg.k_blocks_per_step
   shared_a = ("cluster",) if cfg.cluster_dim == Dim.N else None
@@ -367,7 +367,7 @@ def _simple_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, out_sm
 
   def step(indices, a_smem, b_smem, as_smem, carry):
     (k_step,) = indices
-    return _scaled_mma_step(
+    return scaled_mma_step(
         carry, a_smem, b_smem, as_smem, bs_gmem, k_step=k_step, col0=col0, cfg=cfg, num_k_blocks=num_k_blocks,
         num_n_blocks=num_n_blocks,
     )
@@ -375,9 +375,9 @@ def _simple_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, out_sm
   accs, _ = plgpu.emit_pipeline(
       step,
       grid=(pl.cdiv(num_k_blocks, cfg.k_blocks_per_step),),
-      in_specs=_in_specs(cfg, m_idx, n_idx),
+      in_specs=in_specs(cfg, m_idx, n_idx),
       max_concurrent_steps=cfg.max_concurrent_steps,
-      init_carry=_initial_carry(bs_gmem, col0, cfg, num_k_blocks, num_n_blocks),
+      init_carry=initial_carry(bs_gmem, col0, cfg, num_k_blocks, num_n_blocks),
   )(a_gmem, b_gmem, as_gmem)
   _epilogue(accs, out_smem.at[0], out_gmem, bias_gmem, m_idx * cfg.tile_m, n_idx * cfg.tile_n, cfg)
   plgpu.wait_smem_to_gmem(0)
@@ -398,7 +398,7 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, *, cfg: Mo
         body,
         grid=(pl.cdiv(num_k_blocks, cfg.k_blocks_per_step),),
         memory_registers=40,
-        in_specs=_in_specs(cfg, m_idx, n_idx),
+        in_specs=in_specs(cfg, m_idx, n_idx),
         wg_axis="wg",
         num_compute_wgs=cfg.num_compute_wgs,
         max_concurrent_steps=cfg.max_concurrent_steps,
@@ -425,12 +425,12 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, *, cfg: Mo
       col0 = n_idx * cfg.tile_n + wg_col0
 
       def compute_context(run_pipeline):
-        accs, _ = run_pipeline(_initial_carry(bs_gmem, col0, cfg, num_k_blocks, num_n_blocks))
+        accs, _ = run_pipeline(initial_carry(bs_gmem, col0, cfg, num_k_blocks, num_n_blocks))
         _epilogue(accs, out_smem.at[wg_idx], out_gmem, bias_gmem, row0, col0, cfg)
 
       def mma_body(indices, a_smem, b_smem, as_smem, carry):
         (k_step,) = indices
-        return _scaled_mma_step(
+        return scaled_mma_step(
             carry,
             a_smem.at[pl.ds(wg_row0, wg_m)],
             b_smem.at[pl.ds(wg_col0, wg_n)],

@@ -1,0 +1,119 @@
+"""The grouped GEMM's planner: the implementation and kernel config of a call, each with its reason.
+
+`plan(problem, ...)` is the one place a grouped GEMM call is decided; `run(...)` executes a plan without checking
+anything again. The backends (`xla`, `mosaic` in this package) say what they can run and own their heuristics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxfp8 import _planning, _platform
+from jaxfp8.grouped import mosaic, xla
+
+IMPLEMENTATIONS = ("mosaic", "xla")
+BACKENDS = {"mosaic": mosaic, "xla": xla}
+LAYOUTS = ("ragged", "masked")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedProblem:
+  """One grouped GEMM call, by its shapes. ragged: a_q (rows, K) shared by `groups` experts; masked: a_q
+  (groups, rows, K), each expert its own rows."""
+  layout: str
+  groups: int                   # E: experts (weights)
+  rows: int                     # ragged: M; masked: T, the rows of each expert's buffer
+  n: int
+  k: int
+  block_size: tuple[int, int]
+  out_dtype: str
+  a_s_column_major: bool = False
+
+  @property
+  def empty(self) -> bool:
+    return self.groups == 0 or self.rows == 0 or self.n == 0 or self.k == 0
+
+  @property
+  def out_shape(self) -> tuple[int, ...]:
+    return (self.rows, self.n) if self.layout == "ragged" else (self.groups, self.rows, self.n)
+
+
+def problem(layout: str, groups: int, rows: int, n: int, k: int, block_size, *, out_dtype=jnp.bfloat16,
+            a_s_column_major: bool = False) -> GroupedProblem:
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  return GroupedProblem(layout, int(groups), int(rows), int(n), int(k), tuple(block_size), jnp.dtype(out_dtype).name,
+                        bool(a_s_column_major))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedPlan:
+  """What a grouped GEMM call runs and why (hashable: it is the static part of the jitted call)."""
+  problem: GroupedProblem
+  implementation: str
+  config: Any
+  interpret: bool
+  reason: str
+  config_reason: str = ""
+  device: _platform.Device | None = None
+
+  def __str__(self) -> str:
+    mode = " (interpreted)" if self.interpret and self.implementation != "xla" else ""
+    config = f"; config {self.config} ({self.config_reason})" if self.config is not None else ""
+    return f"{self.implementation} {self.problem.layout} grouped GEMM{mode}: {self.reason}{config}"
+
+
+def _default(p: GroupedProblem, device: _platform.Device, interpret: bool) -> tuple[str, str]:
+  """(implementation, reason) when none is asked for."""
+  if interpret and device.capability is not None:
+    return "xla", "interpret=True and no implementation named: XLA (name one to interpret its kernel)"
+  if device.capability is None:
+    return "xla", f"no NVIDIA GPU (device {device.describe()}): XLA"
+  if device.is_hopper:
+    why = mosaic.unavailable(device, interpret) or mosaic.unsupported(p)
+    if why is None:
+      return "mosaic", (f"Hopper GPU {device.describe()}, N and K multiples of 128, block_size (128, 128): the "
+                        "Mosaic GPU kernel")
+    return "xla", f"Hopper GPU {device.describe()}, but the Mosaic kernel cannot take this problem ({why}): XLA"
+  return "xla", f"GPU {device.describe()} is not a Hopper GPU (the only grouped kernel is Mosaic GPU's): XLA"
+
+
+def plan(p: GroupedProblem, *, implementation: str | None = None, config=None, interpret: bool | None = None,
+         device: _platform.Device | None = None) -> GroupedPlan:
+  """Chooses the implementation and config of a grouped problem; raises ValueError/TypeError (naming the argument)
+  when what was asked for cannot run here."""
+  device = device or _platform.device()
+  interpret = _platform.resolve_interpret(interpret)
+  implementation, why = _planning.requested(implementation, config, BACKENDS, option="implementation",
+                                            default=lambda: _default(p, device, interpret))
+  backend = BACKENDS[implementation]
+  others = " or ".join(repr(name) for name in IMPLEMENTATIONS if name != implementation)
+  if unavailable := backend.unavailable(device, interpret):
+    raise ValueError(f"implementation={implementation!r} {unavailable}, or use implementation={others}")
+  if unsupported := backend.unsupported(p):
+    raise ValueError(f"implementation={implementation!r} cannot run N={p.n}, K={p.k}, block_size={p.block_size}: "
+                     f"{unsupported}; use implementation={others}")
+  if config is None:
+    config, config_reason = backend.default_config_for(p, device)
+  else:
+    _planning.given_config(backend, implementation, config, option="implementation", kernels=("mosaic",))
+    if problem_text := backend.config_problem(p, config):
+      raise ValueError(f"config {config} cannot run this problem: {problem_text}")
+    config_reason = "given"
+  return GroupedPlan(p, implementation, config, interpret, why, config_reason, device)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def run(a_q, b_q, a_s, b_s, counts, *, plan: GroupedPlan) -> jax.Array:
+  """Executes `plan`: (M, N) for the ragged layout, (E, T, N) for the masked one, in the plan's out_dtype.
+  counts: group_sizes (ragged) or masked_m (masked)."""
+  p = plan.problem
+  if p.empty:
+    return jnp.zeros(p.out_shape, p.out_dtype)  # an empty sum is 0
+  return BACKENDS[plan.implementation].launch(a_q, b_q, a_s, b_s, counts, p, plan.config, plan.interpret,
+                                              plan.device or _platform.device())

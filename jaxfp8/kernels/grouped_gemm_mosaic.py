@@ -1,0 +1,341 @@
+"""Grouped block-scaled FP8 GEMM for Hopper (sm_90) in Pallas Mosaic GPU: the expert GEMMs of a mixture of experts.
+
+Each group e (an expert) multiplies its own rows of the activations by its own weight b_q[e] (N, K) with scales
+b_s[e]; the math per row is the dense kernel's (jaxfp8/kernels/gemm_mosaic.py: a fresh FP8 wgmma accumulator per
+128-wide K block, promoted into a float32 accumulator with a_s[row] * b_s[e, n // 128, k // 128]). Two layouts:
+
+  ragged: a_q (M, K), rows sorted by group, group_sizes (E,) traced: group e owns the rows
+          [sum(sizes[:e]), sum(sizes[:e+1])) (negative sizes count as 0, the sum is clipped to M); rows past the
+          last group come out zero.
+  masked: a_q (E, T, K), masked_m (E,) traced: group e owns rows [0, masked_m[e]) of a_q[e]; the rest of a_q[e]'s
+          rows come out zero.
+
+Both become one problem: a list of *segments* (batch, group, lo, hi), the rows [lo, hi) of batch `batch` of a
+(B, M_a, K) view of a_q computed with group `group`'s weight, or written as zeros when group is -1. Segments cover
+every output row once. A jnp prologue cuts the segments at row-tile boundaries into *work items* (one row tile of one
+segment), computed items first, then zero items, then dead padding items up to a static count, so that the kernel's
+grid has a static size while routing changes never recompile. The kernel loops over (item, column tile) pairs: an
+empty expert owns no item and no CTA waits on it; a row tile that two experts share is computed once per expert,
+each storing only its own rows.
+
+A work item's A tile is the aligned row tile holding its rows (TMA zero-fills rows past M_a), read with the (8, 128)
+tiling and 128-byte swizzle the 8-bit wgmma needs. Its output rows are a run [lo, hi) that can start and end anywhere
+inside the tile, and a TMA store has a static box: each 64-row sub-tile stores its run as at most one copy per power
+of two (64, 32, ..., 1 rows), each predicated on a bit of the run's length. For those copies to start at any row the
+epilogue buffers are unswizzled with rows of exactly 128 bytes (the alignment a TMA's shared-memory side needs).
+
+Only the warp-specialized structure of the dense kernel is built here (producer warpgroup, 1-3 consumers; a persistent
+grid or one CTA per (item, column tile)); CTA clusters are not.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from .gemm_mosaic import (BLOCK, SMEM_BYTES, TMA_ROW_TILE, WGMMA_M, Dim, MosaicGemmConfig, initial_carry, in_specs,
+                          scaled_mma_step, zero_accumulators)
+
+EPILOGUE_ROW_BYTES = 128  # one TMA-aligned shared-memory row per output row of an epilogue piece
+ITEM_FIELDS = 5  # batch, group, row block, lo, hi
+ZERO_GROUP = -1
+
+
+def epi_n(out_dtype) -> int:
+  """Columns per epilogue store: rows of exactly 128 bytes."""
+  return EPILOGUE_ROW_BYTES // jnp.dtype(out_dtype).itemsize
+
+
+def config_problems(config: MosaicGemmConfig, n: int, out_dtype) -> list[str]:
+  """Why `config` cannot run this kernel on N output columns of out_dtype (empty: it can)."""
+  try:
+    config.validate()
+  except ValueError as e:
+    return [str(e)]
+  problems = []
+  if not config.warp_specialized:
+    problems.append("the grouped kernel is warp-specialized only (warp_specialized=True)")
+  if config.cluster_dim is not None:
+    problems.append("the grouped kernel does not build CTA clusters (cluster_dim=None)")
+  if config.scales_per_column:
+    problems.append(f"tile_n={config.tile_n}: the grouped kernel takes widths that divide 128 or are multiples of it")
+  width = epi_n(out_dtype)
+  if config.sub_n % width:
+    problems.append(f"sub-tiles of {config.sub_n} columns do not split into {width}-column pieces of 128-byte rows "
+                    f"for {jnp.dtype(out_dtype).name} outputs")
+  if config.epi_tile_n not in (None, width):
+    problems.append(f"epi_tile_n must be None or {width} for {jnp.dtype(out_dtype).name} outputs (128-byte rows)")
+  if (smem := smem_bytes(config, out_dtype)) > SMEM_BYTES:
+    problems.append(f"config needs {smem} bytes of shared memory > {SMEM_BYTES}")
+  return problems
+
+
+def smem_bytes(config: MosaicGemmConfig, out_dtype) -> int:
+  """The dense kernel's estimate with this kernel's epilogue buffers (two 64-row slots of 128 bytes per consumer)."""
+  dense_epilogue = config.num_wgs * 2 * WGMMA_M * config.epi_n(out_dtype) * jnp.dtype(out_dtype).itemsize
+  return config.smem_bytes(out_dtype) - dense_epilogue + config.num_wgs * 2 * WGMMA_M * EPILOGUE_ROW_BYTES
+
+
+# ------------------------------------------------------------------------------------------- the work-item prologue
+
+
+def ragged_segments(group_sizes: jax.Array, m: int) -> tuple[jax.Array, ...]:
+  """(batch, group, lo, hi) of the ragged layout: the E groups in order, then the zero rows past them."""
+  num_groups = group_sizes.shape[0]
+  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)  # clipped first: the cumulative sum cannot overflow
+  ends = jnp.minimum(jnp.cumsum(sizes), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  total = ends[-1:] if num_groups else jnp.zeros((1,), jnp.int32)
+  batch = jnp.zeros((num_groups + 1,), jnp.int32)
+  group = jnp.concatenate([jnp.arange(num_groups, dtype=jnp.int32), jnp.full((1,), ZERO_GROUP, jnp.int32)])
+  lo = jnp.concatenate([starts, total])
+  hi = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+  return batch, group, lo, hi
+
+
+def masked_segments(masked_m: jax.Array, rows: int) -> tuple[jax.Array, ...]:
+  """(batch, group, lo, hi) of the masked layout: group e's live rows of batch e, then its zero rows."""
+  num_groups = masked_m.shape[0]
+  live = jnp.clip(masked_m.astype(jnp.int32), 0, rows)
+  experts = jnp.arange(num_groups, dtype=jnp.int32)
+  batch = jnp.concatenate([experts, experts])
+  group = jnp.concatenate([experts, jnp.full((num_groups,), ZERO_GROUP, jnp.int32)])
+  lo = jnp.concatenate([jnp.zeros((num_groups,), jnp.int32), live])
+  hi = jnp.concatenate([live, jnp.full((num_groups,), rows, jnp.int32)])
+  return batch, group, lo, hi
+
+
+def work_items(segments: tuple[jax.Array, ...], tile_m: int, num_items: int) -> jax.Array:
+  """int32 (ITEM_FIELDS, num_items): each segment cut at the row-tile boundaries, computed segments' items first.
+  Items past the last real one have lo == hi (nothing to do)."""
+  batch, group, lo, hi = segments
+  order = jnp.argsort(group == ZERO_GROUP, stable=True)
+  batch, group, lo, hi = batch[order], group[order], lo[order], hi[order]
+  first_block = lo // tile_m
+  counts = jnp.where(hi > lo, (jnp.maximum(hi, 1) - 1) // tile_m - first_block + 1, 0)
+  ends = jnp.cumsum(counts)
+  index = jnp.arange(num_items, dtype=jnp.int32)
+  seg = jnp.minimum(jnp.searchsorted(ends, index, side="right"), batch.shape[0] - 1)
+  real = index < ends[-1]
+  block = first_block[seg] + index - (ends[seg] - counts[seg])
+  item_lo = jnp.where(real, jnp.maximum(lo[seg], block * tile_m), 0)
+  item_hi = jnp.where(real, jnp.minimum(hi[seg], (block + 1) * tile_m), 0)
+  return jnp.stack([batch[seg], group[seg], jnp.where(real, block, 0), item_lo, item_hi]).astype(jnp.int32)
+
+
+def ragged_num_items(m: int, num_groups: int, tile_m: int) -> int:
+  """The most work items a ragged problem can have: the row tiles, plus one per boundary between segments."""
+  return pl.cdiv(m, tile_m) + num_groups
+
+
+def masked_num_items(num_groups: int, rows: int, tile_m: int) -> int:
+  return num_groups * (pl.cdiv(rows, tile_m) + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------- epilogue
+
+
+def _store_run(slot, out_rows_gmem, run_start, run_len, row_cap: int):
+  """TMA-stores rows [run_start, run_start + run_len) of `slot` (64, epi_n) into the same rows of out_rows_gmem (a
+  (64, epi_n) window of the output starting at the sub-tile's first row): one copy per set bit of run_len."""
+  offset = run_start
+  size = 1 << (row_cap.bit_length() - 1)
+  while size:
+    # (pl.when rather than the copy's predicate, which the Mosaic GPU interpreter does not implement.)
+    @pl.when((run_len & size) != 0)
+    def _store(offset=offset, size=size):
+      plgpu.copy_smem_to_gmem(slot.at[pl.ds(offset, size)], out_rows_gmem(offset, size), commit_group=False)
+
+    offset = offset + (run_len & size)
+    size //= 2
+  plgpu.commit_smem_to_gmem_group()
+
+
+def _epilogue(accs, slots, out_gmem, row0, col0, lo, hi, cfg: MosaicGemmConfig):
+  """Writes the rows [lo, hi) of one warpgroup's (wg_m, wg_n) tile whose top-left element is (row0, col0).
+
+  accs: the (64, sub_n) sub-tile accumulators; slots: this warpgroup's (2, 64, epi_n) buffers; out_gmem: (M_a, N).
+  """
+  out_dtype = out_gmem.dtype
+  sub_n, width = cfg.sub_n, epi_n(out_dtype)
+  subs_n = cfg.wg_tile[1] // sub_n
+  row_cap = min(WGMMA_M, out_gmem.shape[0])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read the slots
+  slot = 0
+  for idx, acc in enumerate(accs):
+    i, j = divmod(idx, subs_n)
+    sub_row0 = row0 + i * WGMMA_M
+    run_start = jnp.clip(lo - sub_row0, 0, WGMMA_M)
+    run_len = jnp.clip(hi - sub_row0, 0, WGMMA_M) - run_start
+    out = acc.astype(out_dtype)
+    for e in range(sub_n // width):
+      piece = out if width == sub_n else out[:, e * width:(e + 1) * width]
+      col = col0 + j * sub_n + e * width
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store reading the other slot may still run
+      slots[slot] = piece
+      plgpu.commit_smem()
+      _store_run(slots.at[slot],
+                 lambda start, size, col=col, sub_row0=sub_row0: out_gmem.at[pl.ds(sub_row0 + start, size),
+                                                                            pl.ds(col, width)],
+                 run_start, run_len, row_cap)
+      slot = 1 - slot
+
+
+# ------------------------------------------------------------------------------------------------------- the kernel
+
+
+def _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *, cfg: MosaicGemmConfig, num_items: int):
+  """a_gmem (B, M_a, K), b_gmem (E, N, K), as_gmem (B, K/128, M_a'), bs_gmem (E, N/128, K/128), out_gmem (B, M_o, N),
+  items_gmem int32 (ITEM_FIELDS, num_items)."""
+  n, k = b_gmem.shape[1:]
+  num_k_blocks, num_n_blocks = k // BLOCK, n // BLOCK
+  n_iters = pl.cdiv(n, cfg.tile_n)
+  wg_m, wg_n = cfg.wg_tile
+
+  def get_pipeline(body, compute_context, m_idx=0, n_idx=0):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(pl.cdiv(num_k_blocks, cfg.k_blocks_per_step),),
+        memory_registers=40,
+        in_specs=in_specs(cfg, m_idx, n_idx),
+        wg_axis="wg",
+        num_compute_wgs=cfg.num_compute_wgs,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem.at[0], b_gmem.at[0], as_gmem.at[0]),
+      out_smem=plgpu.SMEM((cfg.num_compute_wgs, 2, WGMMA_M, epi_n(out_gmem.dtype)), out_gmem.dtype),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, out_smem):
+    wg_idx = lax.axis_index("wg")
+    if cfg.wg_split == Dim.M and cfg.num_compute_wgs > 1:
+      wg_row0, wg_col0 = wg_idx * wg_m, 0
+    elif cfg.num_compute_wgs > 1:
+      wg_row0, wg_col0 = 0, wg_idx * wg_n
+    else:
+      wg_row0, wg_col0 = 0, 0
+
+    def tile(item, n_idx):
+      batch, group, block, lo, hi = (items_gmem[f, item] for f in range(ITEM_FIELDS))
+      row0 = block * cfg.tile_m + wg_row0
+      col0 = n_idx * cfg.tile_n + wg_col0
+      out_batch = out_gmem.at[batch]
+      slots = out_smem.at[jnp.minimum(wg_idx, cfg.num_compute_wgs - 1)]
+
+      @pl.when((hi > lo) & (group != ZERO_GROUP))
+      def _compute():
+        weight_scales = bs_gmem.at[group]
+
+        def compute_context(run_pipeline):
+          accs, _ = run_pipeline(initial_carry(weight_scales, col0, cfg, num_k_blocks, num_n_blocks))
+          _epilogue(accs, slots, out_batch, row0, col0, lo, hi, cfg)
+
+        def mma_body(indices, a_smem, b_smem, as_smem, carry):
+          (k_step,) = indices
+          return scaled_mma_step(
+              carry, a_smem.at[pl.ds(wg_row0, wg_m)], b_smem.at[pl.ds(wg_col0, wg_n)],
+              as_smem.at[:, pl.ds(wg_row0, wg_m)], weight_scales, k_step=k_step, col0=col0, cfg=cfg,
+              num_k_blocks=num_k_blocks, num_n_blocks=num_n_blocks)
+
+        get_pipeline(mma_body, compute_context, block, n_idx)(
+            a_gmem.at[batch], b_gmem.at[group], as_gmem.at[batch], allocations=pipeline_allocs)
+
+      # Rows no group owns: the consumers store zeros (the producer has nothing to load).
+      @pl.when((hi > lo) & (group == ZERO_GROUP) & (wg_idx < cfg.num_compute_wgs))
+      def _zeros():
+        _epilogue(zero_accumulators(cfg), slots, out_batch, row0, col0, lo, hi, cfg)
+
+    if cfg.persistent:
+      @plgpu.nd_loop((num_items * n_iters,), collective_axes="sm")
+      def _tile_loop(loop_info: plgpu.NDLoopInfo):
+        (lin_idx,) = loop_info.index
+        item, n_idx = plgpu.planar_snake(lin_idx, (num_items, n_iters), int(cfg.grid_minor_dim), cfg.grid_tile_width)
+        tile(item, n_idx)
+    else:
+      tile(lax.axis_index("m"), lax.axis_index("n"))
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every TMA store lands before the kernel exits
+
+
+# ------------------------------------------------------------------------------------------------------ the launchers
+
+
+def _pad_rows(a3: jax.Array) -> jax.Array:
+  """a (B, M_a, K) with zero rows appended so that the (8, 128)-tiled TMA view of each batch exists."""
+  rows = a3.shape[1]
+  if rows % TMA_ROW_TILE == 0 or rows < TMA_ROW_TILE:
+    return a3
+  return jnp.pad(a3, ((0, 0), (0, -rows % TMA_ROW_TILE), (0, 0)))
+
+
+def grouped_block_fp8_matmul(
+    a3: jax.Array, b_q: jax.Array, a_s3: jax.Array, b_s: jax.Array, items: jax.Array, *, out_rows: int,
+    out_dtype, config: MosaicGemmConfig, num_sms: int, interpret: bool = False,
+) -> jax.Array:
+  """The segment problem (module docstring) on a3 (B, M_a, K), a_s3 (B, K/128, M_a') column-major with M_a' >= M_a
+  and M_a' % 4 == 0, b_q (E, N, K), b_s (E, N/128, K/128) and `work_items`' table: (B, out_rows, N) of out_dtype."""
+  batches = a3.shape[0]
+  n = b_q.shape[1]
+  num_items = items.shape[1]
+  out_dtype = jnp.dtype(out_dtype)
+  n_iters = pl.cdiv(n, config.tile_n)
+  a3 = _pad_rows(a3)
+
+  def body(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem):
+    _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, cfg=config, num_items=num_items)
+
+  if config.persistent:
+    grid, grid_names = (max(min(config.grid_size or num_sms, num_items * n_iters), 1),), ("sm",)
+  else:
+    grid, grid_names = (n_iters, num_items), ("n", "m")
+  interpret_params: Any = plgpu.InterpretGPUParams() if interpret else None
+  f = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((batches, out_rows, n), out_dtype),
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=config.num_compute_wgs + 1,
+      thread_name="wg",
+      interpret=interpret_params,
+  )
+  return f(items, a3, b_q, a_s3, b_s)
+
+
+def ragged_block_fp8_matmul(a_q, b_q, a_s_col, b_s, group_sizes, *, out_dtype=jnp.bfloat16,
+                            config: MosaicGemmConfig, num_sms: int, interpret: bool = False) -> jax.Array:
+  """The ragged layout: a_q (M, K), a_s_col (K/128, M') column-major (M' >= M, M' % 4 == 0), b_q (E, N, K),
+  b_s (E, N/128, K/128), group_sizes int32 (E,). Returns (M, N)."""
+  m = a_q.shape[0]
+  num_groups = b_q.shape[0]
+  items = work_items(ragged_segments(group_sizes, m), config.tile_m,
+                     ragged_num_items(m, num_groups, config.tile_m))
+  out = grouped_block_fp8_matmul(a_q[None], b_q, a_s_col[None], b_s, items, out_rows=m, out_dtype=out_dtype,
+                                 config=config, num_sms=num_sms, interpret=interpret)
+  return out[0]
+
+
+def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.bfloat16,
+                            config: MosaicGemmConfig, num_sms: int, interpret: bool = False) -> jax.Array:
+  """The masked layout: a_q (E, T, K), a_s_col (E, K/128, T') column-major (T' >= T, T' % 4 == 0), b_q (E, N, K),
+  b_s (E, N/128, K/128), masked_m int32 (E,). Returns (E, T, N)."""
+  num_groups, rows = a_q.shape[:2]
+  items = work_items(masked_segments(masked_m, rows), config.tile_m,
+                     masked_num_items(num_groups, rows, config.tile_m))
+  return grouped_block_fp8_matmul(a_q, b_q, a_s_col, b_s, items, out_rows=rows, out_dtype=out_dtype,
+                                  config=config, num_sms=num_sms, interpret=interpret)
+
+
+__all__ = ["MosaicGemmConfig", "Dim", "config_problems", "ragged_block_fp8_matmul", "masked_block_fp8_matmul",
+           "grouped_block_fp8_matmul", "work_items", "ragged_segments", "masked_segments", "epi_n", "smem_bytes"]

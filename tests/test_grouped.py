@@ -1,0 +1,494 @@
+"""The grouped (mixture-of-experts) block-FP8 GEMM, docs/CONTRACT.md §7: both layouts on every implementation.
+
+On CPU: the XLA path against the float64 reference (odd shapes, every block size, empty experts, experts of one row,
+rows no expert owns holding NaN, clipped and negative counts, exactness), the Mosaic kernel interpreted (every
+structure it has; interpret mode poisons fresh buffers with NaN, so an unwritten row fails), its work-item table, its
+CUDA lowering at the real expert shapes, the API's errors and transforms. On an H200 (marked gpu + hopper): the
+kernel at the expert shapes of DeepSeek-V3 and Qwen3-MoE, each expert checked against the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfp8
+from jaxfp8 import _platform, grouped
+from jaxfp8 import _transforms as transforms
+from jaxfp8 import reference as ref
+from jaxfp8.grouped import mosaic as grouped_mosaic
+from jaxfp8.kernels import grouped_gemm_mosaic as ggm
+from jaxfp8.kernels.gemm_mosaic import Dim, MosaicGemmConfig
+
+from helpers import MOSAIC_GEMM_IMPORTABLE
+
+F8 = jnp.float8_e4m3fn
+TOL = {jnp.dtype(jnp.float32): 2e-4, jnp.dtype(jnp.bfloat16): 5e-3, jnp.dtype(jnp.float16): 5e-3}
+
+
+def _weights(rng, e, n, k, block_size=(128, 128)):
+  """E expert weights quantized per block; each expert at its own magnitude so that a wrong expert cannot hide."""
+  qs, ss = [], []
+  for i in range(e):
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.float32(10.0 ** rng.uniform(-2, 2))
+    q, s = ref.quantize_weight_blockwise(w, block_size)
+    qs.append(q)
+    ss.append(s)
+  return np.stack(qs), np.stack(ss)
+
+
+def _activations(rng, shape, gk, *, column_major=False, masked_m=None):
+  """Quantized activations; a K that is no multiple of gk is quantized with zero columns up to a whole group, then
+  cut (the last group's scale covers the K % gk columns left)."""
+  k = shape[-1]
+  x = np.zeros(shape[:-1] + (-(-k // gk) * gk,), np.float32)
+  x[..., :k] = rng.standard_normal(shape)
+  x *= np.float32(10.0) ** rng.uniform(-2, 2, shape[:-1] + (1,)).astype(np.float32)
+  q, s = ref.per_token_group_quant_fp8(x, gk, column_major_scales=column_major, scale_tma_aligned=column_major,
+                                       masked_m=masked_m)
+  return np.ascontiguousarray(q[..., :k]), s
+
+
+def _poison_unowned_rows(a_q, a_s, owned, column_major):
+  """NaN codes and scales in the rows no expert owns: they must not reach the output."""
+  a_q = a_q.copy()
+  a_s = a_s.copy()
+  a_q[~owned] = np.float32(np.nan)
+  if column_major:
+    np.moveaxis(a_s, -1, -2)[..., :owned.shape[-1], :][~owned] = np.nan
+  else:
+    a_s[~owned] = np.nan
+  return a_q, a_s
+
+
+def _check(out, expect, out_dtype):
+  out = np.asarray(out)
+  assert out.shape == expect.shape and out.dtype == jnp.dtype(out_dtype)
+  out32 = out.astype(np.float32)
+  assert np.isfinite(out32).all(), "NaN/inf in the output: an unwritten row or a poisoned row that leaked"
+  assert ref.relative_error(out32, ref.cast_output(expect, out_dtype).astype(np.float32)) <= TOL[jnp.dtype(out_dtype)]
+  # Rows no expert owns are exactly zero (the reference's are).
+  zero_rows = (expect == 0).all(axis=-1)
+  assert (out32[zero_rows] == 0).all()
+
+
+def _ragged_case(rng, sizes, m, n, k, block_size=(128, 128), *, column_major=False):
+  sizes = np.asarray(sizes, np.int32)
+  b_q, b_s = _weights(rng, len(sizes), n, k, block_size)
+  a_q, a_s = _activations(rng, (m, k), block_size[1], column_major=column_major)
+  bounds = ref.ragged_group_bounds(sizes, m)
+  owned = np.arange(m) < bounds[-1, 1] if len(sizes) else np.zeros(m, bool)
+  a_q, a_s = _poison_unowned_rows(a_q, a_s, owned, column_major)
+  expect = ref.ragged_block_fp8_matmul(a_q, b_q, a_s, b_s, sizes, block_size, a_s_column_major=column_major)
+  return (a_q, b_q, a_s, b_s, sizes), expect
+
+
+def _masked_case(rng, masked_m, t, n, k, block_size=(128, 128), *, column_major=False):
+  masked_m = np.asarray(masked_m, np.int32)
+  b_q, b_s = _weights(rng, len(masked_m), n, k, block_size)
+  a_q, a_s = _activations(rng, (len(masked_m), t, k), block_size[1], column_major=column_major, masked_m=masked_m)
+  live = np.arange(t)[None, :] < np.clip(masked_m, 0, t)[:, None]
+  a_q, a_s = _poison_unowned_rows(a_q, a_s, live, column_major)
+  expect = ref.masked_block_fp8_matmul(a_q, b_q, a_s, b_s, masked_m, block_size, a_s_column_major=column_major)
+  return (a_q, b_q, a_s, b_s, masked_m), expect
+
+
+# ------------------------------------------------------------------------------------------------------ the XLA path
+
+RAGGED_CASES = {
+    # sizes, M, N, K, block_size
+    "empty_and_single_rows": ([5, 0, 1, 0, 40, 1], 60, 256, 384, (128, 128)),   # 13 rows no expert owns
+    "all_in_one_expert": ([0, 0, 33], 33, 128, 128, (128, 128)),
+    "sum_past_m_is_cut": ([10, 30, 20], 35, 128, 256, (128, 128)),
+    "negative_sizes_are_zero": ([-4, 7, -1, 9], 20, 200, 300, (64, 64)),     # odd N and K: partial blocks
+    "one_expert_no_rows": ([0], 9, 128, 256, (128, 64)),
+    "single_row": ([0, 1], 1, 64, 96, (32, 32)),
+}
+
+
+@pytest.mark.parametrize("case", list(RAGGED_CASES))
+@pytest.mark.parametrize("column_major", [False, True])
+def test_ragged_xla_matches_reference(rng, case, column_major):
+  sizes, m, n, k, block_size = RAGGED_CASES[case]
+  args, expect = _ragged_case(rng, sizes, m, n, k, block_size, column_major=column_major)
+  for out_dtype in (jnp.float32, jnp.bfloat16):
+    out = jaxfp8.ragged_w8a8_block_fp8_matmul(*args, block_size, a_s_column_major=column_major, out_dtype=out_dtype,
+                                              implementation="xla")
+    _check(out, expect, out_dtype)
+
+
+MASKED_CASES = {
+    # masked_m, T, N, K, block_size
+    "mixed": ([3, 0, 24, 17], 24, 256, 384, (128, 128)),
+    "clipped_counts": ([-2, 99, 5], 13, 200, 300, (64, 64)),
+    "all_empty": ([0, 0], 8, 128, 128, (128, 128)),
+}
+
+
+@pytest.mark.parametrize("case", list(MASKED_CASES))
+@pytest.mark.parametrize("column_major", [False, True])
+def test_masked_xla_matches_reference(rng, case, column_major):
+  masked_m, t, n, k, block_size = MASKED_CASES[case]
+  args, expect = _masked_case(rng, masked_m, t, n, k, block_size, column_major=column_major)
+  for out_dtype in (jnp.float32, jnp.bfloat16):
+    out = jaxfp8.masked_w8a8_block_fp8_matmul(*args, block_size, a_s_column_major=column_major, out_dtype=out_dtype,
+                                              implementation="xla")
+    _check(out, expect, out_dtype)
+
+
+def _exact_inputs(rng, shape_a, e, n, k, rows_axis_scales):
+  a_q = rng.integers(-4, 5, shape_a).astype(np.float32).astype(ml_f8())
+  b_q = rng.integers(-4, 5, (e, n, k)).astype(np.float32).astype(ml_f8())
+  a_s = (2.0 ** rng.integers(-2, 3, rows_axis_scales)).astype(np.float32)
+  b_s = (2.0 ** rng.integers(-2, 3, (e, n // 128, k // 128))).astype(np.float32)
+  return a_q, b_q, a_s, b_s
+
+
+def ml_f8():
+  return jnp.dtype(F8).type
+
+
+@pytest.mark.parametrize("implementation", ["xla", "mosaic"])
+def test_exact_small_integers_bit_for_bit(rng, implementation):
+  """docs/CONTRACT.md §2's exactness inputs: every implementation returns the float32 reference bit for bit."""
+  if implementation == "mosaic" and not MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("the Mosaic GPU kernel does not import here")
+  config = MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1, grid_size=2)
+  config = config if implementation == "mosaic" else None
+  sizes = np.array([7, 0, 64, 1], np.int32)
+  a_q, b_q, a_s, b_s = _exact_inputs(rng, (80, 256), 4, 128, 256, (80, 2))
+  out = jaxfp8.ragged_w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, sizes, (128, 128), out_dtype=jnp.float32,
+                                            implementation=implementation, config=config)
+  expect = ref.ragged_block_fp8_matmul(a_q, b_q, a_s, b_s, sizes, (128, 128)).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(out), expect)
+  masked_m = np.array([5, 16, 0, 9], np.int32)
+  a_q, _, a_s, _ = _exact_inputs(rng, (4, 16, 256), 4, 128, 256, (4, 16, 2))
+  out = jaxfp8.masked_w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, masked_m, (128, 128), out_dtype=jnp.float32,
+                                            implementation=implementation, config=config)
+  expect = ref.masked_block_fp8_matmul(a_q, b_q, a_s, b_s, masked_m, (128, 128)).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(out), expect)
+
+
+def test_masked_takes_the_quantizers_masked_output(rng):
+  """The quantizer's output with masked_m (codes (E, T_pad, K), column-major scales (E, K/G, T')) goes in as it is."""
+  e, t, n, k = 3, 20, 256, 256
+  masked_m = jnp.array([20, 0, 7], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((e, t, k)).astype(np.float32)).astype(jnp.bfloat16)
+  a_q, a_s = jaxfp8.per_token_group_quant_fp8(x, 128, column_major_scales=True, scale_tma_aligned=True,
+                                              masked_m=masked_m, implementation="xla")
+  b_q, b_s = _weights(rng, e, n, k)
+  out = jaxfp8.masked_w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, masked_m, (128, 128), a_s_column_major=True,
+                                            implementation="xla")
+  expect = ref.masked_block_fp8_matmul(np.asarray(a_q), b_q, np.asarray(a_s), b_s, np.asarray(masked_m),
+                                       (128, 128), a_s_column_major=True)
+  _check(out, expect, jnp.bfloat16)
+
+
+def test_routing_changes_never_recompile(rng):
+  args, _ = _ragged_case(rng, [4, 4, 4], 12, 128, 128)
+  a_q, b_q, a_s, b_s, _ = args
+  traces = []
+
+  @jax.jit
+  def f(group_sizes):
+    traces.append(1)
+    return jaxfp8.ragged_w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, group_sizes, (128, 128), out_dtype=jnp.float32,
+                                               implementation="xla")
+
+  for sizes in ([4, 4, 4], [0, 12, 0], [1, 2, 3], [12, 0, 0]):
+    out = f(jnp.array(sizes, jnp.int32))
+    expect = ref.ragged_block_fp8_matmul(a_q, b_q, a_s, b_s, np.array(sizes), (128, 128))
+    _check(out, expect, jnp.float32)
+  assert len(traces) == 1
+
+
+# ---------------------------------------------------------------------------------------- the Mosaic kernel, interpreted
+
+# Every structure of the grouped kernel, small enough to interpret: one consumer warpgroup on a persistent grid or one
+# CTA per (item, column tile), two warpgroups split in M or N, two K blocks per step, weight scales ahead.
+KINDS = {
+    "ws1_64x128_persistent": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1,
+                                              grid_size=3),
+    "ws1_64x128_k2_ahead": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, k_blocks_per_step=2,
+                                            num_compute_wgs=1, persistent=False, weight_scales_ahead=True),
+    "ws2_m_128x128_k2": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, k_blocks_per_step=2,
+                                         grid_size=2, grid_minor_dim=Dim.M, grid_tile_width=2),
+    "ws2_n_64x256": MosaicGemmConfig(tile_m=64, tile_n=256, max_concurrent_steps=2, wg_split=Dim.N, grid_size=2),
+}
+
+needs_mosaic = pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="the Mosaic GPU kernel does not import here")
+
+
+@needs_mosaic
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_mosaic_ragged_interpreted(rng, kind):
+  # 150 rows, not a multiple of 8 (the padded TMA view): experts crossing row-tile boundaries, empty ones, one of a
+  # single row, and 9 trailing rows no expert owns.
+  sizes = [70, 0, 1, 60, 0, 10]
+  args, expect = _ragged_case(rng, sizes, 150, 256, 384, column_major=kind.endswith("persistent"))
+  out = jaxfp8.ragged_w8a8_block_fp8_matmul(*args, (128, 128), a_s_column_major=kind.endswith("persistent"),
+                                            out_dtype=jnp.float32, implementation="mosaic", config=KINDS[kind])
+  _check(out, expect, jnp.float32)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_m_128x128_k2"])
+def test_mosaic_masked_interpreted(rng, kind):
+  # T = 70 rows per expert (partial row tiles, T % 8 != 0), one expert empty, one full, counts past T clipped.
+  args, expect = _masked_case(rng, [5, 0, 70, 99, 64], 70, 256, 256, column_major=True)
+  out = jaxfp8.masked_w8a8_block_fp8_matmul(*args, (128, 128), a_s_column_major=True, out_dtype=jnp.bfloat16,
+                                            implementation="mosaic", config=KINDS[kind])
+  _check(out, expect, jnp.bfloat16)
+
+
+def _items_cover(items, segments, tile_m):
+  """Host check of the work-item table: every segment row in exactly one item of its segment, items in one row tile."""
+  items = np.asarray(items)
+  batch, group, lo, hi = (np.asarray(s) for s in segments)
+  covered = {}
+  for b, g, block, i_lo, i_hi in items.T:
+    if i_hi <= i_lo:
+      continue
+    assert block * tile_m <= i_lo < i_hi <= (block + 1) * tile_m
+    for r in range(i_lo, i_hi):
+      assert (b, r) not in covered, f"row {r} of batch {b} in two items"
+      covered[(b, r)] = g
+  want = {(b, r): g for b, g, s_lo, s_hi in zip(batch, group, lo, hi) for r in range(s_lo, s_hi)}
+  assert covered == want
+  # Computed items come before zero items.
+  live = items[:, items[4] > items[3]]
+  is_zero = live[1] == ggm.ZERO_GROUP
+  assert not (is_zero[:-1] & ~is_zero[1:]).any()
+
+
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_work_items_cover_every_row_once(rng, tile_m):
+  for _ in range(20):
+    e = int(rng.integers(1, 9))
+    m = int(rng.integers(1, 400))
+    sizes = rng.integers(-3, 3 * m // e + 2, e).astype(np.int32)
+    sizes[rng.random(e) < 0.3] = 0
+    segments = ggm.ragged_segments(jnp.asarray(sizes), m)
+    _items_cover(ggm.work_items(segments, tile_m, ggm.ragged_num_items(m, e, tile_m)), segments, tile_m)
+    t = int(rng.integers(1, 200))
+    masked_m = rng.integers(-2, t + 3, e).astype(np.int32)
+    segments = ggm.masked_segments(jnp.asarray(masked_m), t)
+    _items_cover(ggm.work_items(segments, tile_m, ggm.masked_num_items(e, t, tile_m)), segments, tile_m)
+
+
+# ------------------------------------------------------------------------------------------- lowering for an H200
+
+# The expert GEMMs of the issue's table: DeepSeek-V3 EP8-local (32 experts) gate_up and down, Qwen3-30B-A3B (128).
+EXPERT_SHAPES = {"deepseek_v3_ep8.gate_up": (32, 4096, 7168), "deepseek_v3_ep8.down": (32, 7168, 2048),
+                 "qwen3_30b_a3b.gate_up": (128, 1536, 2048), "qwen3_30b_a3b.down": (128, 2048, 768)}
+
+
+def _lower(layout, e, rows, n, k, out_dtype, config=None):
+  if layout == "ragged":
+    a = jax.ShapeDtypeStruct((rows, k), F8)
+    s = jax.ShapeDtypeStruct((k // 128, -(-rows // 4) * 4), jnp.float32)
+    f = jaxfp8.ragged_w8a8_block_fp8_matmul
+  else:
+    a = jax.ShapeDtypeStruct((e, rows, k), F8)
+    s = jax.ShapeDtypeStruct((e, k // 128, -(-rows // 4) * 4), jnp.float32)
+    f = jaxfp8.masked_w8a8_block_fp8_matmul
+  structs = [a, jax.ShapeDtypeStruct((e, n, k), F8), s, jax.ShapeDtypeStruct((e, n // 128, k // 128), jnp.float32),
+             jax.ShapeDtypeStruct((e,), jnp.int32)]
+  call = functools.partial(f, block_size=(128, 128), a_s_column_major=True, out_dtype=out_dtype, config=config)
+  with _platform.abstract_h200():
+    plan = grouped.plan_for(a, structs[1], (128, 128), out_dtype=out_dtype, a_s_column_major=True, config=config)
+    assert plan.implementation == "mosaic", plan
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*structs)
+  assert exported.out_avals[0].shape == ((rows, n) if layout == "ragged" else (e, rows, n))
+  return plan
+
+
+@needs_mosaic
+@pytest.mark.parametrize("shape", list(EXPERT_SHAPES))
+@pytest.mark.parametrize("layout,rows", [("ragged", 256), ("ragged", 16384 + 4), ("masked", 64), ("masked", 200)])
+def test_default_configs_lower_for_cuda(shape, layout, rows):
+  e, n, k = EXPERT_SHAPES[shape]
+  plan = _lower(layout, e, rows, n, k, jnp.bfloat16)
+  assert ggm.config_problems(plan.config, n, jnp.bfloat16) == []
+
+
+@needs_mosaic
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_config_kinds_lower_for_cuda(kind):
+  config = dataclasses.replace(KINDS[kind], grid_size=None, max_concurrent_steps=4)
+  _lower("ragged", 32, 4100, 4096, 7168, jnp.float32, grouped_mosaic.fit_smem(config, jnp.float32, 7168))
+  _lower("masked", 8, 128, 2048, 768, jnp.bfloat16, grouped_mosaic.fit_smem(config, jnp.bfloat16, 768))
+
+
+def test_plans_say_why():
+  a = jax.ShapeDtypeStruct((4096, 7168), F8)
+  b = jax.ShapeDtypeStruct((32, 4096, 7168), F8)
+  cpu = grouped.plan_for(a, b, (128, 128))
+  assert cpu.implementation == "xla" and "no NVIDIA GPU" in str(cpu)
+  if MOSAIC_GEMM_IMPORTABLE:
+    with _platform.abstract_h200():
+      prefill = grouped.plan_for(a, b, (128, 128))
+      decode = grouped.plan_for(jax.ShapeDtypeStruct((32, 64, 7168), F8), b, (128, 128))
+      odd = grouped.plan_for(a, b, (128, 64))
+    assert prefill.implementation == "mosaic" and prefill.config.tile_m == 128 and "prefill" in str(prefill)
+    assert decode.config.tile_m == 64 and "decode" in str(decode)
+    assert odd.implementation == "xla" and "block_size=(128, 128) only" in str(odd)
+
+
+# ----------------------------------------------------------------------------------------------- errors, transforms
+
+
+def _good_ragged():
+  e, m, n, k = 2, 8, 128, 256
+  return dict(a_q=jnp.zeros((m, k), F8), b_q=jnp.zeros((e, n, k), F8), a_s=jnp.ones((m, 2), jnp.float32),
+              b_s=jnp.ones((e, 1, 2), jnp.float32), group_sizes=jnp.array([3, 5], jnp.int32))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(a_q=jnp.zeros((8, 256), jnp.bfloat16)), TypeError, "a_q must have dtype float8_e4m3fn"),
+    (dict(b_q=jnp.zeros((128, 256), F8)), ValueError, "b_q must be 3-D"),
+    (dict(b_q=jnp.zeros((2, 128, 384), F8)), ValueError, "must share K"),
+    (dict(group_sizes=jnp.array([3, 5], jnp.int64 if jax.config.jax_enable_x64 else jnp.int16)), TypeError,
+     "group_sizes must have dtype int32"),
+    (dict(group_sizes=jnp.array([3, 5, 0], jnp.int32)), ValueError, r"group_sizes must have shape \(E,\) = \(2,\)"),
+    (dict(a_s=jnp.ones((2, 8), jnp.float32)), ValueError, "a_s_column_major=True"),
+    (dict(b_s=jnp.ones((2, 2, 2), jnp.float32)), ValueError, r"b_s must have shape \(E, ceil\(N/gn\), ceil\(K/gk\)\)"),
+])
+def test_ragged_errors_name_the_argument(change, error, match):
+  args = {**_good_ragged(), **change}
+  with pytest.raises(error, match=match):
+    jaxfp8.ragged_w8a8_block_fp8_matmul(**args, block_size=(128, 128))
+
+
+def test_masked_errors_name_the_argument():
+  b_q, b_s = jnp.zeros((2, 128, 256), F8), jnp.ones((2, 1, 2), jnp.float32)
+  with pytest.raises(ValueError, match="one buffer per expert"):
+    jaxfp8.masked_w8a8_block_fp8_matmul(jnp.zeros((3, 8, 256), F8), b_q, jnp.ones((3, 8, 2), jnp.float32), b_s,
+                                        jnp.zeros((2,), jnp.int32), (128, 128))
+  with pytest.raises(ValueError, match=r"column-major a_s must have shape \(E, ceil\(K/gk\), T'\)"):
+    jaxfp8.masked_w8a8_block_fp8_matmul(jnp.zeros((2, 8, 256), F8), b_q, jnp.ones((2, 2, 4), jnp.float32), b_s,
+                                        jnp.zeros((2,), jnp.int32), (128, 128), a_s_column_major=True)
+  with pytest.raises(TypeError, match="masked_m must have dtype int32"):
+    jaxfp8.masked_w8a8_block_fp8_matmul(jnp.zeros((2, 8, 256), F8), b_q, jnp.ones((2, 8, 2), jnp.float32), b_s,
+                                        jnp.zeros((2,), jnp.float32), (128, 128))
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    jaxfp8.masked_w8a8_block_fp8_matmul(jnp.zeros((2, 8, 256), F8), b_q, jnp.ones((2, 8, 2), jnp.float32), b_s,
+                                        jnp.zeros((2,), jnp.int32), (128, 128), implementation="triton")
+  with pytest.raises(ValueError, match="config applies to the 'mosaic' implementation, not 'xla'"):
+    jaxfp8.masked_w8a8_block_fp8_matmul(jnp.zeros((2, 8, 256), F8), b_q, jnp.ones((2, 8, 2), jnp.float32), b_s,
+                                        jnp.zeros((2,), jnp.int32), (128, 128), implementation="xla",
+                                        config=KINDS["ws2_n_64x256"])
+
+
+def test_mosaic_refuses_what_it_cannot_run():
+  args = _good_ragged()
+  with pytest.raises(ValueError, match=r"implementation='mosaic' cannot run .* block_size=\(128, 128\) only"):
+    jaxfp8.ragged_w8a8_block_fp8_matmul(**{**args, "a_s": jnp.ones((8, 4), jnp.float32),
+                                           "b_s": jnp.ones((2, 2, 4), jnp.float32)},
+                                        block_size=(64, 64), implementation="mosaic")
+  if MOSAIC_GEMM_IMPORTABLE:
+    with pytest.raises(ValueError, match="the grouped kernel does not build CTA clusters"):
+      jaxfp8.ragged_w8a8_block_fp8_matmul(**args, block_size=(128, 128), implementation="mosaic",
+                                          config=MosaicGemmConfig(tile_m=128, tile_n=128, cluster_dim=Dim.N))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "mosaic"])
+def test_transforms_refused_with_one_error(implementation):
+  if implementation == "mosaic" and not MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("the Mosaic GPU kernel does not import here")
+  args = _good_ragged()
+  call = functools.partial(jaxfp8.ragged_w8a8_block_fp8_matmul, block_size=(128, 128), out_dtype=jnp.float32,
+                           implementation=implementation)
+  as_f32 = lambda a_s: call(args["a_q"], args["b_q"], a_s, args["b_s"], args["group_sizes"]).sum()
+  with pytest.raises(transforms.TransformError, match="ragged_w8a8_block_fp8_matmul is not differentiable"):
+    jax.grad(as_f32)(args["a_s"])
+  with pytest.raises(transforms.TransformError, match="jax.vmap of jaxfp8.ragged_w8a8_block_fp8_matmul"):
+    jax.vmap(lambda a_s: call(args["a_q"], args["b_q"], a_s, args["b_s"], args["group_sizes"]))(
+        jnp.stack([args["a_s"]] * 2))
+  out = jax.eval_shape(lambda: call(**args))
+  assert out.shape == (8, 128) and out.dtype == jnp.float32
+
+
+def test_no_experts_or_rows_give_zeros():
+  out = jaxfp8.ragged_w8a8_block_fp8_matmul(jnp.zeros((4, 128), F8), jnp.zeros((0, 128, 128), F8),
+                                            jnp.ones((4, 1), jnp.float32), jnp.ones((0, 1, 1), jnp.float32),
+                                            jnp.zeros((0,), jnp.int32), (128, 128))
+  assert out.shape == (4, 128) and not np.asarray(out, np.float32).any()
+
+
+# ------------------------------------------------------------------------------------------------------- on the H200
+
+
+def _device_problem(key, lead, rows, e, n, k):
+  """Random codes and scales made on the device (the float64 reference runs on sampled rows only)."""
+  ka, kb, ks, kt = jax.random.split(key, 4)
+  a_q = jnp.clip(jax.random.normal(ka, (*lead, rows, k)) * 100, -448, 448).astype(F8)
+  b_q = jnp.clip(jax.random.normal(kb, (e, n, k)) * 100, -448, 448).astype(F8)
+  a_s = jax.random.uniform(ks, (*lead, k // 128, -(-rows // 4) * 4), minval=1e-4, maxval=1e-2)
+  b_s = jax.random.uniform(kt, (e, n // 128, k // 128), minval=1e-4, maxval=1e-2)
+  return a_q, b_q, a_s, b_s
+
+
+def _check_sampled(out, a_q, b_q, a_s_col, b_s, expert_rows, rng):
+  """Up to 4 rows of every expert and the first and last 128 columns against the float64 reference, per expert;
+  every other row (no expert owns it) exactly 0. expert_rows: per expert, its rows' indices into out/a_q (2-D)."""
+  out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+  n = out.shape[-1]
+  cols = np.r_[0:128, n - 128:n]
+  owned = np.zeros(out.shape[0], bool)
+  for e, rows in enumerate(expert_rows):
+    owned[rows] = True
+    if not len(rows):
+      continue
+    pick = rng.choice(rows, min(4, len(rows)), replace=False)
+    a = np.asarray(a_q[pick])
+    scales = np.asarray(a_s_col[:, pick])
+    b = np.asarray(b_q[e])[cols]
+    sb = np.asarray(b_s[e])[[0, n // 128 - 1]]
+    expect = ref.block_fp8_matmul(a, b, scales, sb, (128, 128), a_s_column_major=True)
+    err = ref.relative_error(out[np.ix_(pick, cols)], ref.cast_output(expect, jnp.bfloat16).astype(np.float32))
+    assert err <= 5e-3, (e, err)
+  assert not out[~owned].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("shape", list(EXPERT_SHAPES))
+@pytest.mark.parametrize("rows,skew", [(256, False), (4096, False), (4096, True), (16384, True)])
+def test_gpu_ragged_expert_shapes(shape, rows, skew):
+  rng = np.random.default_rng(rows + len(shape))
+  e, n, k = EXPERT_SHAPES[shape]
+  if skew:  # one expert with half the rows, a third of the experts empty
+    weights = np.where(np.arange(e) % 3 == 0, 0.0, 1.0)
+    sizes = rng.multinomial(rows // 2 - 7, weights / weights.sum())
+    sizes[1] += rows // 2
+  else:
+    sizes = rng.multinomial(rows - 7, np.full(e, 1.0 / e))  # 7 rows no expert owns
+  a_q, b_q, a_s, b_s = _device_problem(jax.random.key(rows), (), rows, e, n, k)
+  out = jaxfp8.ragged_w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, jnp.asarray(sizes, jnp.int32), (128, 128),
+                                            a_s_column_major=True)
+  bounds = ref.ragged_group_bounds(sizes, rows)
+  _check_sampled(out, a_q, b_q, a_s, b_s, [np.arange(lo, hi) for lo, hi in bounds], rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("shape", list(EXPERT_SHAPES))
+@pytest.mark.parametrize("t", [64, 200])
+def test_gpu_masked_expert_shapes(shape, t):
+  rng = np.random.default_rng(len(shape) + t)
+  e, n, k = EXPERT_SHAPES[shape]
+  masked_m = rng.integers(0, t + 1, e)
+  masked_m[0] = 0
+  a_q, b_q, a_s, b_s = _device_problem(jax.random.key(t), (e,), t, e, n, k)
+  out = jaxfp8.masked_w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, jnp.asarray(masked_m, jnp.int32), (128, 128),
+                                            a_s_column_major=True)
+  # Flatten the experts' buffers into one row axis for the sampled check.
+  flat_scales = jnp.moveaxis(a_s[:, :, :t], 0, 1).reshape(k // 128, e * t)
+  _check_sampled(out.reshape(e * t, n), a_q.reshape(e * t, k), b_q, flat_scales, b_s,
+                 [g * t + np.arange(masked_m[g]) for g in range(e)], rng)
