@@ -20,6 +20,11 @@
 #                 overrides the models; each stops between shapes at 520 s: use PHASE_TIMEOUT=590)
 #   bench-quant   python -m jaxfp8 bench --ops=quant at the quantizer's widths K = 512..18432 and M = 1..16384
 #                 (~2 min; BENCH_QUANT_ARGS overrides them)
+#   grouped       the grouped GEMM's GPU tests (tests/test_grouped.py -m hopper: DeepSeek-V3 EP8 and Qwen3-30B-A3B
+#                 expert shapes, ragged and masked, every expert's sampled rows against the reference), then
+#                 python -m jaxfp8 bench --ops=grouped_gemm (ours, lax.ragged_dot and JAX's Pallas ragged dot in bf16,
+#                 our dense GEMM at the same rows; GROUPED_BENCH_ARGS overrides; stops between shapes at 420 s).
+#                 Not yet run on a GPU: no measured time
 #   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   ncu-gemm      Nsight Compute, every section, on one call of the Mosaic GEMM and one of cuBLASLt's per-tensor FP8
 #                 GEMM at M=4096 N=24576 K=7168 (scripts/ncu_gemm.py; NCU_ARGS adds ncu options, NCU_SHAPE script
@@ -114,6 +119,10 @@ for phase in "${phases[@]}"; do
     bench-quant) run bench_quant python3 -m jaxfp8 bench --ops=quant ${BENCH_QUANT_ARGS:---k=512,2048,7168,18432 \
                    --m=1,16,64,256,1024,4096,16384} --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench --ops=gemm ${BENCH_GEMM_ARGS:-} --out="$out/gemm_h200.json" ;;
+    grouped) run tests_grouped python3 -m pytest tests/test_grouped.py -m "gpu or hopper" "${pytest_args[@]}" \
+               --junitxml="$out/tests_grouped.junit.xml"
+             run bench_grouped python3 -m jaxfp8 bench --ops=grouped_gemm ${GROUPED_BENCH_ARGS:---time_budget_s=420} \
+               --out="$out/grouped_gemm_h200.json" ;;
     notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb ;;
     tune) cp jaxfp8/gemm/configs/triton_gemm_h200.json "$out/triton_gemm_h200.json"
           run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OWN_FLAGS = {
     "check": ({"--implementations", "--k", "--m", "--seed"}, {"--ops", "--max_configs", "--json", "--rerender"}),
     "bench": ({"--ops", "--shapes", "--models", "--m", "--k", "--implementations", "--iterations", "--peak_tflops",
-               "--time_budget_s", "--out"}, {"--max_configs", "--json", "--panels", "--rerender", "--parallel"}),
+               "--time_budget_s", "--out", "--expert_shapes", "--routed_rows"}, {"--max_configs", "--json", "--panels", "--rerender", "--parallel"}),
     "tune": ({"--shapes", "--m", "--max_configs", "--iterations", "--out", "--block_size"},
              {"--ops", "--peak_tflops", "--json", "--rerender", "--implementations"}),
     "plot": ({"--json", "--out", "--panels"}, {"--shapes", "--m", "--ops", "--max_configs", "--rerender"}),
@@ -164,6 +164,20 @@ def test_bench_quant_at_given_widths_on_cpu(tmp_path):
   assert result["quant_ks"] == [256, 512] and result["cpu_warning"] and "WALL-CLOCK" in result["timing"]
 
 
+def test_bench_grouped_gemm_on_cpu(tmp_path):
+  """The grouped GEMM's problems (expert shapes, routed rows, both routings): the contenders that run on CPU, each
+  checked against the reference (within the bf16 bound) before it is timed."""
+  out = tmp_path / "g.json"
+  assert cli.main(["jaxfp8", "bench", "--ops=grouped_gemm", "--expert_shapes=4,256,256", "--routed_rows=40",
+                   "--iterations=1", f"--out={out}"]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert {(r["shape"], r["m"], r["implementation"]) for r in rows} == {
+      (f"E4.256x256/{routing}", 40, name) for routing in ("balanced", "skewed")
+      for name in ("xla", "ragged_dot_bf16", "dense_same_rows")}
+  assert all(r["within_bf16_bound"] and r["us"] > 0 and r["floor_us"] > 0 for r in rows), rows
+  assert {r["role"] for r in rows} == {"ours", "baseline", "reference"}
+
+
 # ---- errors: one line on stderr, a non-zero exit status, no traceback ------------------------------------------------
 
 def _one_line_error(proc: subprocess.CompletedProcess, status: int, *parts: str) -> None:
@@ -182,6 +196,9 @@ def _one_line_error(proc: subprocess.CompletedProcess, status: int, *parts: str)
     (["bench", "--shapes=1,256,512;a,b"], 2, ["python -m jaxfp8 bench: --shapes: 'a,b'"]),
     (["bench", "--m=1,x"], 2, ["--m: 'x' is not a positive integer"]),
     (["bench", "--nosuchflag=1"], 2, ["Unknown command line flag 'nosuchflag'"]),
+    (["bench", "--ops=grouped_gemm", "--expert_shapes=dsv3.gate_up"], 2,
+     ["--expert_shapes: 'dsv3.gate_up' is neither E,N,K nor one of dsv3_ep8.gate_up"]),
+    (["bench", "--ops=gemm", "--routed_rows=8"], 2, ["--routed_rows: the grouped GEMM's problems, but --ops has no"]),
     (["tp", "--shapes=256,256", "--m=1", "--out=/tmp/never_written.json"], 1,
      ["python -m jaxfp8 tp: tensor parallelism needs 2 or more devices"]),
     (["nosuchcommand"], 2, ["python -m jaxfp8: unknown command 'nosuchcommand'"]),

@@ -15,6 +15,9 @@ Roles of the implementations (names for --implementations):
           w8a16_bf16 (bf16 activations times the dequantized weight).
   quant   ours: mosaic, triton; baseline: xla (`per_token_group_quant_fp8_row_padded` in jnp). It depends on K only:
           it runs at the K of each weight shape, or at --k.
+  grouped_gemm (only when asked for with --ops) ours: mosaic, xla, masked_mosaic; baselines: ragged_dot_bf16,
+          pallas_ragged_bf16; reference point: dense_same_rows (`bench_grouped`). Its problems are expert shapes
+          (E, N, K) and routed rows R (--expert_shapes, --routed_rows), each with balanced and skewed routing.
 
 On a GPU the times are CUPTI kernel times (`jaxfp8.tools.timing`). On CPU there is no CUPTI: the XLA paths are timed
 with a wall clock (median of `block_until_ready` calls) on small shapes, only to exercise the command; CPU times say
@@ -33,10 +36,11 @@ import numpy as np
 from absl import flags
 
 from jaxfp8 import _platform
-from jaxfp8.tools import args, bench_gemm, bench_linear, bench_quant
+from jaxfp8.tools import args, bench_gemm, bench_grouped, bench_linear, bench_quant
 from jaxfp8.tools import results as results_io
 
-OPS = ("gemm", "linear", "quant")
+OPS = ("gemm", "linear", "quant", "grouped_gemm")
+DEFAULT_OPS = ("gemm", "linear", "quant")
 # NVIDIA H200 (SXM) datasheet: FP8 Tensor Core 3958 TFLOP/s with 2:4 sparsity, i.e. 1979 dense.
 H200_FP8_DENSE_TFLOPS = 1979.0
 ROLES = {
@@ -45,6 +49,7 @@ ROLES = {
     "linear": {"linear": "ours", "gemm": "part", "quant": "part", "dequant_bf16": "baseline",
                "w8a16_bf16": "baseline"},
     "quant": {"mosaic": "ours", "triton": "ours", "xla": "baseline"},
+    "grouped_gemm": bench_grouped.ROLES,
 }
 IMPLEMENTATIONS = {op: tuple(roles) for op, roles in ROLES.items()}
 GPU_MS = (1, 16, 64, 256, 1024, 4096)
@@ -55,12 +60,17 @@ CPU_WARNING = ("WARNING: no GPU here. These are CPU wall-clock times of the XLA 
 
 FLAGS = flags.FlagValues()
 _KW = dict(flag_values=FLAGS, module_name=__name__)
-flags.DEFINE_list("ops", list(OPS), "Ops to time: some of gemm, linear, quant.", **_KW)
+flags.DEFINE_list("ops", list(DEFAULT_OPS), "Ops to time: some of gemm, linear, quant, grouped_gemm.", **_KW)
 args.define_shape_flags(FLAGS, __name__, shapes_default="GPU: DeepSeek-V3 and Qwen3-32B weights "
                         "(bench_gemm.DEFAULT_SHAPES); CPU: two tiny shapes",
                         m_default=f"GPU {','.join(map(str, GPU_MS))}; CPU {','.join(map(str, CPU_MS))}")
 flags.DEFINE_string("k", None, "quant: widths K to quantize, ','-separated, instead of the K of each weight shape "
                     "(e.g. 512,2048,7168,18432 with --m=1,16,64,256,1024,4096,16384).", **_KW)
+flags.DEFINE_string("expert_shapes", None, "grouped_gemm: expert GEMMs, ';'-separated, each a name of "
+                    f"{', '.join(name for name, *_ in bench_grouped.DEFAULT_SHAPES)} or E,N,K. Default: all of those "
+                    "(CPU: a tiny one).", **_KW)
+flags.DEFINE_string("routed_rows", None, "grouped_gemm: routed rows R (tokens x top-k), ','-separated, for every "
+                    "expert shape. Default: each shape's own (bench_grouped.DEFAULT_ROWS).", **_KW)
 flags.DEFINE_list("implementations", None, "Implementations to time (see the roles above; a name may serve several "
                   "ops). Default: every one that runs here.", **_KW)
 flags.DEFINE_list("block_size", ["128", "128"], "Quantization block (gn, gk).", **_KW)
@@ -78,8 +88,9 @@ flags.DEFINE_string("out", None, "Results JSON to write (a .md table goes beside
 
 def unavailable(op: str, name: str, on_gpu: bool) -> str | None:
   """Why implementation `name` of `op` cannot be timed on this machine; None when it can."""
-  if op in ("gemm", "quant") and name == "mosaic" and not _platform.is_hopper():
-    return "mosaic needs a Hopper GPU (sm_90)"
+  if (op in ("gemm", "quant", "grouped_gemm") and name in ("mosaic", "masked_mosaic", "pallas_ragged_bf16")
+      and not _platform.is_hopper()):
+    return f"{name} needs a Hopper GPU (sm_90)"
   if op in ("gemm", "quant") and name == "triton" and not _platform.has_fp8_gpu():
     return "triton needs an NVIDIA GPU with FP8 (sm >= 8.9)"
   if name == "torch_scaled_mm" and not on_gpu:
@@ -115,6 +126,8 @@ def steps(ops: Sequence[str], shape_list: Sequence[tuple[str, int, int]], ms: Se
   of the shapes of that K (or at `ms` for each of `quant_ks`)."""
   out = []
   for op in ops:
+    if op == "grouped_gemm":
+      continue  # its own problems: `grouped_steps`
     if op != "quant":
       out += [(op, shape, list(ms_by_shape.get(shape[0], ms))) for shape in shape_list]
       continue
@@ -163,7 +176,8 @@ def add_roofline(row: dict, *, peak_tflops: float | None, copy_bandwidth: float,
   if "us" not in row:
     return
   flops = op_flops(row["op"], row["m"], row["n"], row["k"])
-  num_bytes = op_bytes(row["op"], row["implementation"], row["m"], row["n"], row["k"], block_size)
+  num_bytes = row.get("bytes") or op_bytes(row["op"], row["implementation"], row["m"], row["n"], row["k"],
+                                           block_size)
   if row["implementation"] == "quant":
     flops = None
   memory_us = num_bytes / copy_bandwidth * 1e6
@@ -194,7 +208,8 @@ def add_baseline_ratios(rows: list[dict]) -> None:
 # ---- rows of the sub-benchmarks, in one form -------------------------------------------------------------------------
 
 # (x_weight_floor, against a fixed 4.3 TB/s, stays in the raw rows: pct_roofline uses this run's copy bandwidth.)
-_KEEP = ("us", "rel_err", "within_bf16_bound", "error", "note", "plan", "kernels", "rotation_sets")
+_KEEP = ("us", "rel_err", "within_bf16_bound", "error", "note", "plan", "kernels", "rotation_sets", "bytes", "groups",
+         "routing", "active_experts", "floor_us", "x_floor")
 
 
 def unify(op: str, raw_rows: Sequence[dict]) -> list[dict]:
@@ -269,9 +284,35 @@ def _metadata(s: Setup, *, ops, shape_list, ms, ms_by_shape, quant_ks, seed, com
       complete=False, rows=[], raw={op: [] for op in ops})
 
 
+def grouped_steps(expert_shapes, routed_rows, on_gpu: bool) -> list[tuple[str, object, list]]:
+  """("grouped_gemm", (name, E, N, K), Rs) per expert shape."""
+  shapes = expert_shapes or (bench_grouped.DEFAULT_SHAPES if on_gpu else bench_grouped.CPU_SHAPES)
+  default_rows = lambda name: bench_grouped.DEFAULT_ROWS.get(name, bench_grouped.CPU_ROWS)
+  return [("grouped_gemm", shape, list(routed_rows or default_rows(shape[0]))) for shape in shapes]
+
+
+def parse_expert_shapes(text: str) -> list[tuple[str, int, int, int]]:
+  """--expert_shapes: names of bench_grouped.DEFAULT_SHAPES or E,N,K triples, ';'-separated."""
+  known = {shape[0]: shape for shape in bench_grouped.DEFAULT_SHAPES}
+  shapes = []
+  for item in (part.strip() for part in text.split(";") if part.strip()):
+    if item in known:
+      shapes.append(known[item])
+      continue
+    if not all(part.strip().isdigit() for part in item.split(",")):
+      raise args.UsageError(f"--expert_shapes: {item!r} is neither E,N,K nor one of {', '.join(known)}")
+    values = args.parse_ints(item, flag="--expert_shapes", count=3)
+    shapes.append((f"E{values[0]}.{values[1]}x{values[2]}", *values))
+  if not shapes:
+    raise args.UsageError("--expert_shapes: no shapes given")
+  return shapes
+
+
 def run_step(s: Setup, op: str, item, ms: Sequence[int], seed: int, log=print) -> list[dict]:
   """The raw rows of one op's benchmark on one shape (or K, for the quantizer) at the Ms given."""
   common = dict(iterations=s.iterations, timer=s.timer, timing_label=s.timing_label, log=lambda line: log("  " + line))
+  if op == "grouped_gemm":
+    return bench_grouped.run([item], {item[0]: ms}, s.chosen[op], block_size=s.block_size, seed=seed, **common)["rows"]
   if op == "gemm":
     raw = bench_gemm.run([item], ms, s.chosen[op], None, block_size=s.block_size, seed=seed, **common)
   elif op == "linear":
@@ -296,6 +337,8 @@ def run(
     time_budget_s: float | None = None,
     ms_by_shape: dict[str, Sequence[int]] | None = None,
     quant_ks: Sequence[int] | None = None,
+    expert_shapes: Sequence[tuple[str, int, int, int]] | None = None,
+    routed_rows: Sequence[int] | None = None,
     command: str | None = None,
     log=print,
 ) -> dict:
@@ -327,6 +370,8 @@ def run(
     results_io.write_results(result, out_json, markdown_table)
 
   todo = steps(ops, shape_list, ms, ms_by_shape, quant_ks)
+  if "grouped_gemm" in ops:
+    todo += grouped_steps(expert_shapes, routed_rows, s.on_gpu)
   for index, (op, item, step_ms) in enumerate(todo):
     if not s.chosen[op]:
       continue
@@ -334,7 +379,7 @@ def run(
       log(f"time budget of {time_budget_s} s spent: stopping before {op} {item} ({len(todo) - index} steps left)")
       break
     log(f"[{index + 1}/{len(todo)}, {time.perf_counter() - started:.0f} s] {op} "
-        f"{f'K={item}' if op == 'quant' else item[0]}")
+        f"{f'K={item}' if op == 'quant' else item[0]}" + (f" R={step_ms}" if op == "grouped_gemm" else ""))
     raw = run_step(s, op, item, step_ms, (seed + index) % (2**31), log)
     result["raw"][op] += raw
     for row in (new_rows := unify(op, raw)):
@@ -422,8 +467,12 @@ def main(command_line: str) -> int:
   quant_ks = args.parse_ints(FLAGS.k, flag="--k") if FLAGS.k else None
   if quant_ks and "quant" not in ops:
     raise args.UsageError("--k: the quantizer's widths, but --ops has no quant")
+  if (FLAGS.expert_shapes or FLAGS.routed_rows) and "grouped_gemm" not in ops:
+    raise args.UsageError("--expert_shapes/--routed_rows: the grouped GEMM's problems, but --ops has no grouped_gemm")
+  expert_shapes = parse_expert_shapes(FLAGS.expert_shapes) if FLAGS.expert_shapes else None
+  routed_rows = args.parse_ints(FLAGS.routed_rows, flag="--routed_rows") if FLAGS.routed_rows else None
   run(ops, shape_list, ms, FLAGS.implementations, FLAGS.out,
       block_size=args.parse_ints(FLAGS.block_size, flag="--block_size", count=2), iterations=FLAGS.iterations,
       seed=FLAGS.seed, peak_tflops=FLAGS.peak_tflops, time_budget_s=FLAGS.time_budget_s, ms_by_shape=ms_by_shape,
-      quant_ks=quant_ks, command=command_line)
+      quant_ks=quant_ks, expert_shapes=expert_shapes, routed_rows=routed_rows, command=command_line)
   return 0

@@ -1,0 +1,274 @@
+"""Benchmark of the grouped (MoE expert) GEMM, all contenders in one process: `python -m jaxfp8 bench
+--ops=grouped_gemm`.
+
+Each problem is E expert weights (N, K) in the block-FP8 layout and R routed rows (tokens x top-k) spread over the
+experts, balanced (random top-k routing: a multinomial draw) or skewed (one expert with half the rows, every third
+expert empty). Contenders (names for --implementations):
+  "mosaic", "xla":        ours, `ragged_w8a8_block_fp8_matmul` with that implementation.
+  "masked_mosaic":        ours, `masked_w8a8_block_fp8_matmul` on the same rows laid out per expert (T = the largest
+                          expert's rows rounded up to 64), at R <= MASKED_MAX_ROWS (decode).
+  "ragged_dot_bf16":      BASELINE, `jax.lax.ragged_dot` on bf16 activations and bf16 weights (E, K, N).
+  "pallas_ragged_bf16":   BASELINE, JAX's Hopper Pallas ragged dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu)
+                          on the same bf16 operands, the fastest of PALLAS_CONFIGS (the config is in the row's note).
+  "dense_same_rows":      REFERENCE POINT, our dense GEMM on R rows against one expert's weight: what raggedness
+                          costs.
+Every output is checked against the float64 reference on sampled rows of every expert that has rows (bf16 bound of
+docs/CONTRACT.md §2) before it is timed; rows no expert owns must be 0. The floor of a problem is
+max(FP8 bytes of the experts that have rows / 4.3 TB/s, 2 R N K / 1979 TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfp8 import gemm, grouped
+from jaxfp8 import reference as ref
+from jaxfp8.tools import bench_gemm, timing
+
+CONTENDERS = ("mosaic", "xla", "masked_mosaic", "ragged_dot_bf16", "pallas_ragged_bf16", "dense_same_rows")
+ROLES = {"mosaic": "ours", "xla": "ours", "masked_mosaic": "ours", "ragged_dot_bf16": "baseline",
+         "pallas_ragged_bf16": "baseline", "dense_same_rows": "reference"}
+ROUTINGS = ("balanced", "skewed")
+HBM_BYTES_PER_S = bench_gemm.HBM_BYTES_PER_S
+FP8_DENSE_TFLOPS = 1979.0
+BF16_BOUND = bench_gemm.BF16_BOUND
+MASKED_MAX_ROWS = 1024
+# (name, E, N, K) and the routed rows R of each: the expert GEMMs of shapes.json's moe_experts (DeepSeek-V3 with its
+# 256 experts split over 8 GPUs, Qwen3-30B-A3B).
+DEFAULT_SHAPES: tuple[tuple[str, int, int, int], ...] = (
+    ("dsv3_ep8.gate_up", 32, 4096, 7168),
+    ("dsv3_ep8.down", 32, 7168, 2048),
+    ("qwen3_30b_a3b.gate_up", 128, 1536, 2048),
+    ("qwen3_30b_a3b.down", 128, 2048, 768),
+)
+DEFAULT_ROWS = {"dsv3_ep8.gate_up": (256, 4096, 16384), "dsv3_ep8.down": (256, 4096, 16384),
+                "qwen3_30b_a3b.gate_up": (512, 32768), "qwen3_30b_a3b.down": (512, 32768)}
+CPU_SHAPES = (("tiny.8x256x512", 8, 256, 512),)
+CPU_ROWS = (16, 128)
+# JAX's Pallas ragged dot: (block_m, block_n, block_k, max_concurrent_steps, grid_block_n).
+PALLAS_CONFIGS = tuple(itertools.product((64, 128), (128, 256), (64,), (4,), (1, 8)))
+
+
+def group_sizes(rng: np.random.Generator, rows: int, experts: int, routing: str) -> np.ndarray:
+  """Rows per expert summing to `rows`."""
+  if routing == "balanced":
+    return rng.multinomial(rows, np.full(experts, 1.0 / experts))
+  if routing == "skewed":
+    weights = np.where(np.arange(experts) % 3 == 0, 0.0, 1.0)
+    weights[1] = 0.0
+    sizes = rng.multinomial(rows - rows // 2, weights / weights.sum())
+    sizes[1] = rows // 2
+    return sizes
+  raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+
+
+def make_problem(key, e: int, n: int, k: int, rows: int, block_size):
+  """(a_q (R, K), b_q (E, N, K), a_s column-major (K/gk, round_up(R, 4)), b_s (E, N/gn, K/gk))."""
+  gn, gk = block_size
+  kw, ka = jax.random.split(key)
+  b_q, b_s = bench_gemm.make_weight(kw, e * n, k, block_size)
+  a_q, a_s = bench_gemm.make_activation(ka, rows, k, gk)
+  return a_q, b_q.reshape(e, n, k), a_s, b_s.reshape(e, n // gn, -1)
+
+
+def masked_layout(a_q, a_s_col, sizes: np.ndarray, rows_per_expert: int):
+  """The ragged rows laid out per expert: (E, T, K) codes and (E, K/gk, T) column-major scales, pad rows 0 / 1.0."""
+  e = len(sizes)
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  index = np.full((e, rows_per_expert), -1)
+  for g in range(e):
+    index[g, :sizes[g]] = starts[g] + np.arange(sizes[g])
+  index = jnp.asarray(index)
+  live = index >= 0
+  codes = jnp.where(live[..., None], a_q[jnp.maximum(index, 0)], jnp.zeros((), a_q.dtype))
+  scales = jnp.where(live[:, None, :], a_s_col[:, jnp.maximum(index, 0)].transpose(1, 0, 2), 1.0)
+  return codes, scales
+
+
+def dequantized_bf16(a_q, b_q, a_s_col, b_s, block_size):
+  """bf16 operands of the bf16 baselines: activations (R, K), weights (E, K, N)."""
+  gn, gk = block_size
+  r = a_q.shape[0]
+  a = (a_q.astype(jnp.float32) * jnp.repeat(a_s_col[:, :r].T, gk, axis=1)).astype(jnp.bfloat16)
+  w = b_q.astype(jnp.float32) * jnp.repeat(jnp.repeat(b_s, gn, axis=1), gk, axis=2)
+  return a, jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
+
+
+def contender(name: str, block_size, pallas_config=None) -> Callable:
+  """The jitted contender `name`: f(operands..., sizes) -> output."""
+  if name in ("mosaic", "xla"):
+    f = functools.partial(grouped.ragged_w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True,
+                          implementation=name, interpret=False)
+    return jax.jit(lambda a_q, b_q, a_s, b_s, sizes: f(a_q, b_q, a_s, b_s, sizes))
+  if name == "masked_mosaic":
+    f = functools.partial(grouped.masked_w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True,
+                          implementation="mosaic", interpret=False)
+    return jax.jit(lambda a_q, b_q, a_s, b_s, sizes: f(a_q, b_q, a_s, b_s, sizes))
+  if name == "ragged_dot_bf16":
+    return jax.jit(lambda a, w, sizes: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32
+                                                          ).astype(jnp.bfloat16))
+  if name == "pallas_ragged_bf16":
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    bm, bn, bk, steps, gbn = pallas_config
+    return jax.jit(lambda a, w, sizes: ragged_dot_mgpu.ragged_dot(
+        a, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps, grid_block_n=gbn))
+  if name == "dense_same_rows":
+    f = functools.partial(gemm.w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True)
+    return jax.jit(lambda a_q, b_q, a_s, b_s: f(a_q, b_q[0], a_s, b_s[0]))
+  raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
+
+
+def _sample(sizes: np.ndarray, rng: np.random.Generator, per_expert: int = 2) -> list[tuple[int, np.ndarray]]:
+  """(expert, rows) to check: up to `per_expert` rows of every expert that has rows."""
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  return [(g, starts[g] + rng.choice(sizes[g], min(per_expert, sizes[g]), replace=False))
+          for g in range(len(sizes)) if sizes[g]]
+
+
+def reference_rows(a_q, b_q, a_s_col, b_s, sample, block_size):
+  """float64 reference of the sampled rows against their experts, on the first and last column blocks: one array
+  per sample entry."""
+  gn, _ = block_size
+  n = b_q.shape[1]
+  blocks = np.unique([0, -(-n // gn) - 1])
+  cols = np.concatenate([np.arange(j * gn, min(n, (j + 1) * gn)) for j in blocks])
+  out = []
+  for g, rows in sample:
+    out.append(ref.block_fp8_matmul(np.asarray(a_q)[rows], np.asarray(b_q[g])[cols], np.asarray(a_s_col)[:, rows].T,
+                                  np.asarray(b_s[g])[blocks], block_size))
+  return out, cols
+
+
+def _error(out, sample, expected, cols, owned_rows: int) -> float:
+  """The sampled rows' relative error; infinite when a row no expert owns is not 0."""
+  out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+  if out.shape[0] > owned_rows and np.asarray(out[owned_rows:]).any():
+    return float("inf")
+  got = np.concatenate([out[np.ix_(rows, cols)] for _, rows in sample])
+  want = np.concatenate(expected)
+  return ref.relative_error(got, want)
+
+
+def _masked_error(out, sizes, sample, expected, cols) -> float:
+  """`_error` of the masked layout's (E, T, N) output: back to the ragged row order; rows past an expert's count must
+  be 0."""
+  flat = np.asarray(jnp.asarray(out).astype(jnp.float32))
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  ragged = np.zeros((int(sizes.sum()), flat.shape[-1]), np.float32)
+  for g, count in enumerate(sizes):
+    if flat[g, count:].any():
+      return float("inf")
+    ragged[starts[g]:starts[g] + count] = flat[g, :count]
+  return _error(ragged, sample, expected, cols, ragged.shape[0])
+
+
+def run(shapes: Sequence[tuple[str, int, int, int]], rows_by_shape: dict[str, Sequence[int]],
+        implementations: Sequence[str], *, routings: Sequence[str] = ROUTINGS, block_size=(128, 128),
+        iterations: int = 30, seed: int = 0, timer: Callable[..., float] | None = None, timing_label=None,
+        log=print) -> dict:
+  """Times every contender on every (shape, R, routing); checks each output on a sample first. Returns raw rows."""
+  del timing_label
+  block_size = tuple(block_size)
+  timer = timer or timing.median_kernel_us
+  rng = np.random.default_rng(seed)
+  key = jax.random.key(seed)
+  fns = {name: contender(name, block_size) for name in implementations if name != "pallas_ragged_bf16"}
+  rows_out: list[dict] = []
+  for name, e, n, k in shapes:
+    for r in rows_by_shape[name]:
+      key, sub = jax.random.split(key)
+      a_q, b_q, a_s, b_s = make_problem(sub, e, n, k, r, block_size)
+      bf16 = None
+      for routing in routings:
+        sizes = group_sizes(rng, r, e, routing)
+        active = int((sizes > 0).sum())
+        floor_us = max(active * n * k / HBM_BYTES_PER_S, 2 * r * n * k / (FP8_DENSE_TFLOPS * 1e12)) * 1e6
+        sample = _sample(sizes, rng)
+        expected, cols = reference_rows(a_q, b_q, a_s, b_s, sample, block_size)
+        sizes_dev = jnp.asarray(sizes, jnp.int32)
+        base = dict(shape=f"{name}/{routing}", groups=e, m=r, n=n, k=k, routing=routing, active_experts=active,
+                    floor_us=floor_us, bytes=active * n * k + r * k + r * n * 2)
+
+        def record(contender_name, us=None, err=None, error=None, note=None):
+          row = dict(base, contender=contender_name)
+          if error is not None:
+            row["error"] = error
+          else:
+            row.update(us=us, x_floor=us / floor_us, tflops=2 * r * n * k / (us * 1e-6) / 1e12)
+            if err is not None:
+              row.update(rel_err=err, within_bf16_bound=bool(err <= BF16_BOUND))
+          if note:
+            row["note"] = note
+          rows_out.append(row)
+          log(format_row(row))
+
+        for impl in implementations:
+          try:
+            if impl in ("mosaic", "xla"):
+              args, owned = (a_q, b_q, a_s, b_s, sizes_dev), r
+            elif impl == "masked_mosaic":
+              if r > MASKED_MAX_ROWS:
+                continue
+              t = -(-int(sizes.max()) // 64) * 64
+              codes, scales = masked_layout(a_q, a_s, sizes, t)
+              args = (codes, b_q, scales, b_s, sizes_dev)
+            elif impl == "dense_same_rows":
+              args = (a_q, b_q, a_s, b_s)
+            else:
+              if bf16 is None:
+                bf16 = dequantized_bf16(a_q, b_q, a_s, b_s, block_size)
+              args = (*bf16, sizes_dev)
+            if impl == "pallas_ragged_bf16":
+              us, config = _best_pallas(args, block_size, iterations, timer)
+              out = contender(impl, block_size, config)(*args)
+              record(impl, us=us, err=_error(out, sample, expected, cols, r), note=f"config {config}")
+              continue
+            out = fns[impl](*args)
+            note = None
+            if impl == "masked_mosaic":
+              err = _masked_error(out, sizes, sample, expected, cols)
+            elif impl == "dense_same_rows":
+              dense_sample = [(0, rows) for _, rows in sample]
+              dense_expected, _ = reference_rows(a_q, b_q, a_s, b_s, dense_sample, block_size)
+              err = _error(out, dense_sample, dense_expected, cols, r)
+              note = "every row against expert 0's weight"
+            else:
+              err = _error(out, sample, expected, cols, r)
+            record(impl, us=timer(fns[impl], [args], iterations=iterations), err=err, note=note)
+          except Exception as ex:  # a failing contender is reported, not fatal for the others
+            record(impl, error=f"{type(ex).__name__}: {str(ex)[:300]}")
+      del a_q, b_q, a_s, b_s, bf16
+  return dict(rows=rows_out)
+
+
+def _best_pallas(args, block_size, iterations, timer):
+  """(us, config): the fastest of PALLAS_CONFIGS that builds for these operands."""
+  best = None
+  failures = []
+  for config in PALLAS_CONFIGS:
+    try:
+      us = timer(contender("pallas_ragged_bf16", block_size, config), [args], iterations=max(5, iterations // 3))
+    except Exception as ex:
+      failures.append(f"{config}: {type(ex).__name__}")
+      continue
+    if best is None or us < best[0]:
+      best = (us, config)
+  if best is None:
+    raise RuntimeError("no Pallas ragged-dot config ran: " + "; ".join(failures))
+  fn = contender("pallas_ragged_bf16", block_size, best[1])
+  return timer(fn, [args], iterations=iterations), best[1]
+
+
+def format_row(row: dict) -> str:
+  head = f"{row['shape']:<34} {row['m']:>6} {row['n']:>6} {row['k']:>6} {row['contender']:<20}"
+  if "error" in row:
+    return f"{head} ERROR {row['error']}"
+  err = f"{row['rel_err']:9.2e}" if "rel_err" in row else f"{'n/a':>9}"
+  flag = "" if row.get("within_bf16_bound", True) else "  <-- above bf16 bound"
+  return f"{head} {row['us']:10.2f} {row['tflops']:8.1f} {row['x_floor']:7.2f}x {err}{flag}"
