@@ -173,14 +173,17 @@ for backward in ("fp8", "bf16"):
     err_dx = ref.relative_error(np.asarray(got[0]), np.asarray(want[0]))
     err_db = ref.relative_error(np.asarray(got[1]), np.asarray(want[1]))
     print(f"{backward} {mode} dx {err_dx:.3g} dbias {err_db:.3g}")
-    assert err_dx <= 1e-5 and err_db <= 1e-6, (backward, mode, err_dx, err_db)
+    # Row: each device's dx slice is the unsharded slice exactly (same dy groups, same blocks); column: the float32
+    # partial dx summed over the devices in another order.
+    assert err_dx <= (0.0 if mode == "row" else 1e-5) and err_db <= 1e-6, (backward, mode, err_dx, err_db)
 print("ok")
 """
 
 
 def test_tensor_parallel_gradients_equal_the_single_device_ones(tmp_path):
   """Column- and row-parallel linears on 8 simulated devices: dx and dbias equal the unsharded gradient (the
-  backward's collectives mirror the forward's: a psum of dx over the column shards; dbias summed once)."""
+  backward's collectives mirror the forward's: a psum of dx over the column shards; dbias summed once); the
+  row-parallel dx bit for bit, for seed 39 too (where a transposed psum once rounded dy and changed one code)."""
   script = tmp_path / "parallel_grad.py"
   script.write_text(_PARALLEL)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")

@@ -66,13 +66,20 @@ def _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype):
   return planner.forward(dy2, w_q_t, w_s.T, None, plan)
 
 
-def _dx(dy, x_shape, x_dtype, w_q, w_s, w_q_t, block_size, options, mode):
+def input_gradient(dy, x_shape, x_dtype, w_q, w_s, w_q_t, block_size, options, mode, out_dtype=None):
+  """dx (x_shape, in `out_dtype`, x's dtype by default) = dy @ W in the backward `mode` ("fp8" or "bf16")."""
+  out_dtype = x_dtype if out_dtype is None else out_dtype
   dy2 = dy.reshape(-1, dy.shape[-1])
   if mode == "bf16":
     dx = _bf16_dx(dy2, w_q, w_s, block_size)
   else:
-    dx = _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, x_dtype)
-  return dx.astype(x_dtype).reshape(x_shape)
+    dx = _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype)
+  return dx.astype(out_dtype).reshape(x_shape)
+
+
+def bias_gradient(dy, bias_dtype):
+  """dbias: dy summed over every row in float32, cast to the bias's dtype."""
+  return jnp.sum(dy.reshape(-1, dy.shape[-1]).astype(jnp.float32), axis=0).astype(bias_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -82,14 +89,14 @@ def linear(x, w_q, w_s, bias, w_q_t, plan, forward, static):
   return forward(x, w_q, w_s, bias, plan)
 
 
-_SECOND_ORDER = ("jaxfp8.w8a8_block_fp8_linear's gradient",
+SECOND_ORDER = ("jaxfp8.w8a8_block_fp8_linear's gradient",
                  "higher-order derivatives of the FP8 linear are not supported (its forward and backward quantize)")
 
 
 def _linear_fwd(x, w_q, w_s, bias, w_q_t, plan, forward, static):
   del static
   # Differentiated only when a derivative of the gradient is asked for: refused with that reason.
-  y = transforms.not_differentiable(lambda *args: forward(*args, plan), *_SECOND_ORDER)(x, w_q, w_s, bias)
+  y = transforms.not_differentiable(lambda *args: forward(*args, plan), *SECOND_ORDER)(x, w_q, w_s, bias)
   return y, (w_q, w_s, w_q_t)
 
 
@@ -100,13 +107,10 @@ def _linear_bwd(plan, forward, static, residuals, dy):
   mode = plan.options.backward
 
   def grads(dy):
-    dx = _dx(dy, x_shape, x_dtype, w_q, w_s, w_q_t, plan.block_size, plan.options, mode)
-    dbias = None
-    if bias_dtype is not None:
-      dbias = jnp.sum(dy.reshape(-1, dy.shape[-1]).astype(jnp.float32), axis=0).astype(bias_dtype)
-    return dx, dbias
+    dx = input_gradient(dy, x_shape, x_dtype, w_q, w_s, w_q_t, plan.block_size, plan.options, mode)
+    return dx, None if bias_dtype is None else bias_gradient(dy, bias_dtype)
 
-  grads = transforms.not_differentiable(grads, *_SECOND_ORDER)
+  grads = transforms.not_differentiable(grads, *SECOND_ORDER)
   dx, dbias = grads(dy)
   # The FP8 weights are frozen: zero cotangents for w_q, w_s and w_q_t.
   return dx, None, None, dbias, None

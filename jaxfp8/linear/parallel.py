@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxfp8.linear import api, eager, planner
+from jaxfp8 import _transforms as transforms
+from jaxfp8.linear import api, backward, eager, planner
 
 
 PARALLEL_MODES = ("column", "row")
@@ -92,18 +93,69 @@ def _parallel_fn(parallel: str, ndim: int, has_bias: bool, *, mesh, axis_name: s
   # check_vma=False: the Pallas launchers declare their outputs with plain ShapeDtypeStructs, which carry no
   # varying-manual-axes type; the specs above say how each value varies (the row-parallel output is psum-ed).
   mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)
+  mapped_dx = _parallel_input_gradient(parallel, ndim, mesh=mesh, axis_name=axis_name, block_size=block_size,
+                                       options=options)
   explicit = _has_explicit_axes(mesh)
+
+  def differentiable(*args):
+    """`mapped` with the gradient computed by `mapped_dx`, not by transposing the shard_map: without
+    varying-axes types, JAX transposes the row-parallel psum as a psum of dy / P over the devices, which rounds dy
+    (a one-code change of its quantization somewhere in dx for a few seeds in a hundred)."""
+    x_dtype, bias_dtype = args[0].dtype, (args[3].dtype if has_bias else None)
+
+    @jax.custom_vjp
+    def fn(*args):
+      return mapped(*args)
+
+    def fwd(*args):
+      y = transforms.not_differentiable(mapped, *backward.SECOND_ORDER)(*args)
+      return y, (args[1], args[2])
+
+    def bwd(residuals, dy):
+      w_q, w_s = residuals
+
+      def grads(dy):
+        dx = mapped_dx(dy, w_q, w_s).astype(x_dtype)
+        return (dx, None, None) + ((backward.bias_gradient(dy, bias_dtype),) if has_bias else ())
+
+      return transforms.not_differentiable(grads, *backward.SECOND_ORDER)(dy)
+
+    fn.defvjp(fwd, bwd)
+    return fn(*args)
 
   def call(*args):
     if explicit:  # arrays typed with Explicit mesh axes must already have the specs shard_map is given
       args = [jax.reshard(a, NamedSharding(mesh, spec)) for a, spec in zip(args, in_specs)]
-    y = mapped(*args)
+    y = differentiable(*args)
     if gather_output:  # replicating the N-sharded output: an all-gather
       replicated = NamedSharding(mesh, PartitionSpec())
       y = jax.reshard(y, replicated) if explicit else jax.lax.with_sharding_constraint(y, replicated)
     return y
 
   return call
+
+
+def _parallel_input_gradient(parallel: str, ndim: int, *, mesh, axis_name: str, block_size,
+                             options: planner.LinearOptions) -> Callable:
+  """dx = dy @ W of the shard_map-ped linear, sharded as its forward is (docs/CONTRACT.md §6), float32.
+
+  Column: every device multiplies its N/P columns of dy by its weight rows; the float32 partial dx are summed with
+  psum (the transpose of the forward's replicated x). Row: every device multiplies the whole (replicated) dy by its
+  K/P weight columns, giving its K/P slice of dx, exactly the unsharded dx's slice (same dy groups, same blocks).
+  """
+  lead = (None,) * (ndim - 1)
+  w_specs = (weight_spec(parallel, axis_name, "w_q"), weight_spec(parallel, axis_name, "w_s"))
+
+  def per_shard(dy, w_q, w_s):
+    x_shape = dy.shape[:-1] + (w_q.shape[1],)
+    dx = backward.input_gradient(dy, x_shape, jnp.float32, w_q, w_s, None, block_size, options, options.backward)
+    return jax.lax.psum(dx, axis_name) if parallel == "column" else dx
+
+  if parallel == "column":
+    dy_spec, dx_spec = PartitionSpec(*lead, axis_name), PartitionSpec()
+  else:
+    dy_spec, dx_spec = PartitionSpec(), PartitionSpec(*lead, axis_name)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(dy_spec,) + w_specs, out_specs=dx_spec, check_vma=False)
 
 
 def _parallel_linear(parallel: str, x, w_q, w_s, block_size, bias, *, mesh, axis_name, gather_output, out_dtype,
