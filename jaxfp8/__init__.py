@@ -4,7 +4,7 @@ Pallas kernels for NVIDIA Hopper (Mosaic GPU), portable Pallas-Triton kernels fo
 every other platform, behind one API. `jaxfp8.reference` is the float64 NumPy oracle of the numerical contract.
 """
 
-from jaxfp8 import checkpoints, gemm, grouped, linear, quant, reference, weights
+from jaxfp8 import checkpoints, gemm, grouped, linear, moe, quant, reference, weights
 from jaxfp8.gemm import TritonGemmConfig, w8a8_block_fp8_matmul
 from jaxfp8.grouped import masked_w8a8_block_fp8_matmul, ragged_w8a8_block_fp8_matmul
 from jaxfp8.linear import w8a8_block_fp8_linear
@@ -27,6 +27,7 @@ __all__ = [
     "ragged_w8a8_block_fp8_matmul",
     "masked_w8a8_block_fp8_matmul",
     "linear",
+    "moe",
     "weights",
     "w8a8_block_fp8_linear",
     "quantize_weight_blockwise",

@@ -341,6 +341,33 @@ def load_hf_fp8_linears(
   return out
 
 
+def read_tensors(path: str | os.PathLike | Sequence[str | os.PathLike], names: Iterable[str], *,
+                 optional: Iterable[str] = ()) -> dict[str, np.ndarray]:
+  """Tensors of a checkpoint by name, as they are stored, copied out of the file (fp8 and bf16 as ml_dtypes arrays):
+  the float tensors beside the FP8 linears (routers, norms, biases). A name in `names` that no file holds is a
+  KeyError naming it; one in `optional` is left out of the result."""
+  safetensors, _ = _safetensors()
+  files = checkpoint_files(path)
+  location, _ = _index(safetensors, files)
+  optional = set(optional)
+  wanted = list(names) + [name for name in optional if name in location]
+  missing = [name for name in wanted if name not in location]
+  if missing:
+    raise KeyError(f"{missing} not found in {[str(f) for f in files]}")
+  opened: dict[Path, _OpenFile] = {}
+  try:
+    out = {}
+    for name in wanted:
+      f = location[name]
+      if f not in opened:
+        opened[f] = _OpenFile(safetensors, f)
+      out[name] = np.array(opened[f].read(name))
+    return out
+  finally:
+    for f in opened.values():
+      f.close()
+
+
 def _tensors_to_save(prefix, weight) -> dict[str, np.ndarray]:
   """The tensors of one layer, checked as the loader checks them (so that what is saved loads back)."""
   if not isinstance(prefix, str) or not prefix:
@@ -450,4 +477,4 @@ def save_hf_fp8_linears(
   if merged is not None:
     _write_json(config_path, merged)
 
-__all__ = ["checkpoint_files", "read_block_size", "load_hf_fp8_linears", "save_hf_fp8_linears"]
+__all__ = ["checkpoint_files", "read_block_size", "load_hf_fp8_linears", "save_hf_fp8_linears", "read_tensors"]

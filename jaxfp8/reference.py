@@ -201,6 +201,69 @@ def masked_block_fp8_matmul(a_q, b_q, a_s, b_s, masked_m, block_size, *,
   return out
 
 
+def deepseek_v3_route(logits, correction_bias, *, top_k: int, n_group: int, topk_group: int,
+                      routed_scaling_factor: float, norm_topk_prob: bool = True):
+  """docs/CONTRACT.md §8, DeepSeek-V3's router in float64: sigmoid scores; experts chosen by score + correction bias
+  among the topk_group groups whose two best biased scores sum highest; weights are the unbiased scores, normalized
+  to sum 1 (norm_topk_prob), times routed_scaling_factor. Ties go to the lower index. Returns (ids int32 (T, top_k),
+  weights float64 (T, top_k))."""
+  logits = np.asarray(logits, np.float32).astype(np.float64)
+  t, e = logits.shape
+  scores = 1.0 / (1.0 + np.exp(-logits))
+  choice = scores + np.asarray(correction_bias, np.float32).astype(np.float64)[None, :]
+  grouped = choice.reshape(t, n_group, e // n_group)
+  group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)
+  best_groups = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+  allowed = np.zeros((t, n_group), bool)
+  allowed[np.arange(t)[:, None], best_groups] = True
+  masked = np.where(np.repeat(allowed, e // n_group, axis=1), choice, -np.inf)
+  ids = np.argsort(-masked, axis=-1, kind="stable")[:, :top_k]
+  weights = np.take_along_axis(scores, ids, axis=1)
+  if norm_topk_prob:
+    weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+  return ids.astype(np.int32), weights * routed_scaling_factor
+
+
+def qwen3_moe_route(logits, *, top_k: int, norm_topk_prob: bool = True):
+  """docs/CONTRACT.md §8, Qwen3-MoE's router in float64: softmax over the experts, the top_k, renormalized to sum 1
+  with norm_topk_prob. Ties go to the lower index. Returns (ids int32 (T, top_k), weights float64 (T, top_k))."""
+  logits = np.asarray(logits, np.float32).astype(np.float64)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+  weights = np.take_along_axis(probs, ids, axis=1)
+  if norm_topk_prob:
+    weights = weights / weights.sum(-1, keepdims=True)
+  return ids.astype(np.int32), weights
+
+
+def fp8_moe(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size, *, eps: float = 1e-10) -> np.ndarray:
+  """docs/CONTRACT.md §8, the routed experts of an MoE layer: for each token t and slot j whose expert
+  e = topk_ids[t, j] is in [0, E), with x quantized per token group (§1, G = gk):
+
+      h = x.dtype(§2(x_q[t], w13_q[e]))                  (2I,), [gate | up]
+      a = §1 of silu(gate) * up (fuse_silu_and_mul)      (I,)
+      y = float32(§2(a, w2_q[e]))                        (H,)
+      out[t] += topk_weights[t, j] * y
+
+  Returns the float64 (T, H) result before the cast to x.dtype."""
+  x = np.asarray(x)
+  ids = np.asarray(topk_ids)
+  weights = np.asarray(topk_weights, np.float32).astype(np.float64)
+  gk = block_size[1]
+  q, s = per_token_group_quant_fp8(x, gk, eps=eps)
+  out = np.zeros((x.shape[0], np.asarray(w2_q).shape[1]), np.float64)
+  for e in range(np.asarray(w13_q).shape[0]):
+    tokens, slots = np.nonzero(ids == e)
+    if not len(tokens):
+      continue
+    h = cast_output(block_fp8_matmul(q[tokens], w13_q[e], s[tokens], w13_s[e], block_size), x.dtype)
+    a_q, a_s = per_token_group_quant_fp8(h, gk, eps=eps, fuse_silu_and_mul=True)
+    y = cast_output(block_fp8_matmul(a_q, w2_q[e], a_s, w2_s[e], block_size), np.float32).astype(np.float64)
+    np.add.at(out, tokens, weights[tokens, slots, None] * y)
+  return out
+
+
 def cast_output(c: np.ndarray, out_dtype) -> np.ndarray:
   """The final cast of docs/CONTRACT.md §2: float64 -> float32 -> out_dtype (what an f32 accumulator then a cast gives)."""
   return np.asarray(c, np.float64).astype(np.float32).astype(np.dtype(out_dtype))

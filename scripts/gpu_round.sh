@@ -24,7 +24,7 @@
 #                 expert shapes, ragged and masked, every expert's sampled rows against the reference), then
 #                 python -m jaxfp8 bench --ops=grouped_gemm (ours, lax.ragged_dot and JAX's Pallas ragged dot in bf16,
 #                 our dense GEMM at the same rows; GROUPED_BENCH_ARGS overrides; stops between shapes at 420 s).
-#                 Not yet run on a GPU: no measured time
+#                 The GPU tests single-process: 18 of 24 in 70 s; the bench aborted in ptxas (WORKSPACE.md)
 #   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   ncu-gemm      Nsight Compute, every section, on one call of the Mosaic GEMM and one of cuBLASLt's per-tensor FP8
 #                 GEMM at M=4096 N=24576 K=7168 (scripts/ncu_gemm.py; NCU_ARGS adds ncu options, NCU_SHAPE script

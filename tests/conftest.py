@@ -3,7 +3,7 @@
 One base seed per run, `JAXFP8_TEST_SEED` (drawn when unset, and set in the environment so that pytest-xdist's
 workers share it), seeds every random input: the `rng` fixture (per test, from the base seed and the test's id) and
 hypothesis (`--hypothesis-seed`). The seed is printed in the session header, so any failure reproduces with
-`JAXFP8_TEST_SEED=<seed> make test`.
+`JAXFP8_TEST_SEED=<seed> make test`. JAXFP8_SEEDED_ONLY=1 keeps only the tests that draw from the seed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,24 @@ def pytest_report_header(config):
   return f"JAXFP8_TEST_SEED={BASE_SEED} (reproduce a run with JAXFP8_TEST_SEED={BASE_SEED} make test)"
 
 
+# Source text by which a test module draws from the seed other than through the `rng` fixture.
+_SEED_USES = ("seeded_rng", "JAXFP8_TEST_SEED", "hypothesis", '"pytest"')  # the last: a pytest run in a subprocess
+
+
+def _draws_from_seed(item) -> bool:
+  if "rng" in getattr(item, "fixturenames", ()):
+    return True
+  source = item.path.read_text() if item.path.suffix == ".py" else ""
+  return any(use in source for use in _SEED_USES)
+
+
 def pytest_collection_modifyitems(config, items):
+  if os.environ.get("JAXFP8_SEEDED_ONLY"):
+    # A seed loop (scripts/seed_loop.sh) re-runs only the tests whose inputs the seed changes; the others give the
+    # same result for every seed and run once per suite.
+    kept = [item for item in items if _draws_from_seed(item)]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
   capability = _platform.gpu_compute_capability()
   skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU with FP8 (sm >= 8.9)")
   skip_hopper = pytest.mark.skip(reason="needs a Hopper GPU (sm_90)")

@@ -84,9 +84,9 @@ def _default(p: GroupedProblem, device: _platform.Device, interpret: bool) -> tu
 
 
 def plan(p: GroupedProblem, *, implementation: str | None = None, config=None, interpret: bool | None = None,
-         device: _platform.Device | None = None) -> GroupedPlan:
+         device: _platform.Device | None = None, reason: str | None = None) -> GroupedPlan:
   """Chooses the implementation and config of a grouped problem; raises ValueError/TypeError (naming the argument)
-  when what was asked for cannot run here."""
+  when what was asked for cannot run here. `reason` overrides the implementation's reason (a caller that chose it)."""
   device = device or _platform.device()
   interpret = _platform.resolve_interpret(interpret)
   implementation, why = _planning.requested(implementation, config, BACKENDS, option="implementation",
@@ -105,7 +105,7 @@ def plan(p: GroupedProblem, *, implementation: str | None = None, config=None, i
     if problem_text := backend.config_problem(p, config):
       raise ValueError(f"config {config} cannot run this problem: {problem_text}")
     config_reason = "given"
-  return GroupedPlan(p, implementation, config, interpret, why, config_reason, device)
+  return GroupedPlan(p, implementation, config, interpret, reason or why, config_reason, device)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))

@@ -13,19 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxfp8 import _mesh
 from jaxfp8 import _transforms as transforms
 from jaxfp8.linear import api, backward, eager, planner
 
 
 PARALLEL_MODES = ("column", "row")
-
-
-def _axis_size(mesh, axis_name: str) -> int:
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; its axes are {mesh.axis_names}")
-  return int(mesh.shape[axis_name])
 
 
 def weight_spec(parallel: str, axis_name: str, field: str) -> PartitionSpec:
@@ -43,7 +36,7 @@ def weight_sharding(mesh, axis_name: str, parallel: str, field: str) -> NamedSha
   """NamedSharding of a weight array for `column_parallel_linear` / `row_parallel_linear` (usable as the `sharding`
   callable of `jaxfp8.weights.load_hf_fp8_linears`: `lambda prefix, field, shape: weight_sharding(mesh, "tp",
   "column", field)`)."""
-  _axis_size(mesh, axis_name)
+  _mesh.axis_size(mesh, axis_name)
   return NamedSharding(mesh, weight_spec(parallel, axis_name, field))
 
 
@@ -52,10 +45,6 @@ def shard_linear_weights(w_q, w_s, bias=None, *, mesh, axis_name: str, parallel:
   placed = [None if a is None else jax.device_put(a, weight_sharding(mesh, axis_name, parallel, field))
             for field, a in (("w_q", w_q), ("w_s", w_s), ("bias", bias))]
   return tuple(placed)
-
-
-def _has_explicit_axes(mesh) -> bool:
-  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def _specs(parallel: str, ndim: int, has_bias: bool, axis_name: str):
@@ -95,7 +84,7 @@ def _parallel_fn(parallel: str, ndim: int, has_bias: bool, *, mesh, axis_name: s
   mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)
   mapped_dx = _parallel_input_gradient(parallel, ndim, mesh=mesh, axis_name=axis_name, block_size=block_size,
                                        options=options)
-  explicit = _has_explicit_axes(mesh)
+  explicit = _mesh.has_explicit_axes(mesh)
 
   def differentiable(*args):
     """`mapped` with the gradient computed by `mapped_dx`, not by transposing the shard_map: without
@@ -161,7 +150,7 @@ def _parallel_input_gradient(parallel: str, ndim: int, *, mesh, axis_name: str, 
 def _parallel_linear(parallel: str, x, w_q, w_s, block_size, bias, *, mesh, axis_name, gather_output, out_dtype,
                      options: planner.LinearOptions):
   block_size, out_dtype = api.validate(x, w_q, w_s, bias, block_size, out_dtype)
-  devices = _axis_size(mesh, axis_name)
+  devices = _mesh.axis_size(mesh, axis_name)
   n, k = w_q.shape
   gn, gk = block_size
   if parallel == "column" and (n % devices or (n // devices) % gn):

@@ -1,0 +1,150 @@
+"""The FP8 mixture-of-experts layer (docs/CONTRACT.md §8): `fp8_moe`, `fp8_moe_from_logits`, `explain`.
+
+Validation happens once here; `planner.plan` makes every decision and `planner.forward` runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxfp8 import _checks
+from jaxfp8 import _transforms as transforms
+from jaxfp8.gemm.api import FP8
+from jaxfp8.moe import planner, routing
+
+F32 = jnp.dtype(jnp.float32)
+I32 = jnp.dtype(jnp.int32)
+_OP = "jaxfp8.moe.fp8_moe"
+
+
+def fp8_moe(
+    x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13_q: jax.Array, w13_s: jax.Array,
+    w2_q: jax.Array, w2_s: jax.Array, block_size: tuple[int, int] = (128, 128), *,
+    implementation: str | None = None, quant_implementation: str | None = None, interpret: bool | None = None,
+) -> jax.Array:
+  """The routed experts of an MoE block on block-FP8 weights (docs/CONTRACT.md §8).
+
+  Args:
+    x: (..., H) bfloat16, float16 or float32 tokens.
+    topk_ids: (..., k) int32, each token's experts; an id outside [0, E) contributes nothing.
+    topk_weights: (..., k) float weights of those experts (a router's output: `routing`).
+    w13_q: (E, 2I, H) float8_e4m3fn, each expert's gate_proj and up_proj weights stacked [gate | up].
+    w13_s: (E, ceil(2I/gn), ceil(H/gk)) float32 block scales of w13_q.
+    w2_q: (E, H, I) float8_e4m3fn down_proj weights; w2_s: (E, ceil(H/gn), ceil(I/gk)) float32.
+    block_size: (gn, gk); H and I must be multiples of gk (the activations' groups).
+    implementation: the grouped GEMMs' ("mosaic", "xla" or None for the best here); quant_implementation: the
+      quantizers' (None: the GEMM family's own); interpret: run Pallas kernels interpreted (None: when no GPU).
+
+  Returns:
+    (..., H) in x's dtype. `explain(...)` says which kernels run and why.
+  """
+  block_size, lead = _validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size)
+  p = _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret)
+  t, h, k = math.prod(lead), x.shape[-1], topk_ids.shape[-1]
+  if t == 0 or k == 0:  # no routed row: nothing to launch
+    return jnp.zeros((*lead, h), x.dtype)
+  out = transformable(p)(x.reshape(t, h), topk_ids.reshape(t, k), topk_weights.reshape(t, k), w13_q, w13_s, w2_q,
+                         w2_s)
+  return out.reshape(*lead, h)
+
+
+def fp8_moe_from_logits(
+    x: jax.Array, router_logits: jax.Array, w13_q: jax.Array, w13_s: jax.Array, w2_q: jax.Array, w2_s: jax.Array,
+    block_size: tuple[int, int] = (128, 128), *, router: routing.Router, correction_bias: jax.Array | None = None,
+    **options,
+) -> jax.Array:
+  """`fp8_moe` on the experts `router` (a `routing.DeepSeekV3Router` or `routing.Qwen3MoeRouter`) picks from
+  router_logits (..., E) (with DeepSeek-V3's `correction_bias` (E,))."""
+  if not isinstance(router, (routing.DeepSeekV3Router, routing.Qwen3MoeRouter)):
+    raise TypeError(f"router must be a DeepSeekV3Router or Qwen3MoeRouter, got {type(router).__name__}")
+  _checks.array("router_logits", router_logits, _checks.FLOAT_DTYPES, ndim=None)
+  if tuple(router_logits.shape) != (*x.shape[:-1], w13_q.shape[0]):
+    raise ValueError(f"router_logits must have shape (..., E) = {(*x.shape[:-1], w13_q.shape[0])} for x of shape "
+                     f"{tuple(x.shape)} and {w13_q.shape[0]} experts, got {tuple(router_logits.shape)}")
+  if isinstance(router, routing.DeepSeekV3Router):
+    if correction_bias is None:
+      raise ValueError("DeepSeekV3Router needs correction_bias (the checkpoint's e_score_correction_bias, (E,))")
+    _checks.array("correction_bias", correction_bias, _checks.FLOAT_DTYPES, ndim=1)
+  logits = router_logits.reshape(-1, router_logits.shape[-1])
+  ids, weights = router(logits, correction_bias)
+  lead, k = x.shape[:-1], ids.shape[-1]
+  return fp8_moe(x, ids.reshape(*lead, k), weights.reshape(*lead, k), w13_q, w13_s, w2_q, w2_s, block_size,
+                 **options)
+
+
+def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128), *,
+            implementation: str | None = None, quant_implementation: str | None = None,
+            interpret: bool | None = None) -> planner.MoePlan:
+  """The plan `fp8_moe` runs for these shapes (arrays or `jax.ShapeDtypeStruct`s) here, and why (`print(plan)`)."""
+  top_k = _checks.positive_int("top_k", top_k)
+  ids = jax.ShapeDtypeStruct((*x.shape[:-1], top_k), I32)
+  return _plan(x, ids, w13_q, w2_q, _checks.block_size(block_size), implementation, quant_implementation, interpret)
+
+
+def _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret):
+  options = planner.MoeOptions(implementation, quant_implementation, interpret)
+  tokens = math.prod(x.shape[:-1])
+  return planner.plan(tokens, topk_ids.shape[-1], w13_q.shape[0], x.shape[-1], w2_q.shape[2], block_size, x.dtype,
+                      options)
+
+
+def transformable(plan: planner.MoePlan):
+  """The layer of `plan` as a function of its arrays: not differentiable (its weights are frozen codes and the
+  routing is discrete), `jax.vmap` refused alike on every implementation."""
+  def run(*args):
+    return _forward(*args, plan=plan)
+
+  def vmap_rule(axis_size, in_batched, *args):
+    del axis_size, in_batched, args
+    transforms.refuse_vmap(_OP, "any argument", "give the tokens a leading batch shape instead (x (..., H), topk_ids "
+                           "and topk_weights (..., k)): they are folded into one call")
+
+  return transforms.not_differentiable(
+      transforms.batched(run, vmap_rule), _OP,
+      "its experts are frozen FP8 codes and its routing is discrete; fine-tune around it (e.g. adapters)")
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, *, plan: planner.MoePlan):
+  return planner.forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan)
+
+
+def _validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size):
+  """Checks every array against the others; returns (block_size, the tokens' leading shape)."""
+  _checks.array("x", x, _checks.FLOAT_DTYPES, ndim=None)
+  _checks.array("topk_ids", topk_ids, (I32,), ndim=None)
+  _checks.array("topk_weights", topk_weights, _checks.FLOAT_DTYPES, ndim=None)
+  for name, w in (("w13_q", w13_q), ("w2_q", w2_q)):
+    _checks.array(name, w, (FP8,), ndim=3)
+  for name, s in (("w13_s", w13_s), ("w2_s", w2_s)):
+    _checks.array(name, s, (F32,), ndim=3)
+  gn, gk = _checks.block_size(block_size)
+  if x.ndim < 1:
+    raise ValueError(f"x must be (..., H), got shape {tuple(x.shape)}")
+  lead, h = tuple(x.shape[:-1]), x.shape[-1]
+  if topk_ids.ndim < 1 or tuple(topk_ids.shape[:-1]) != lead:
+    raise ValueError(f"topk_ids must be (..., k) with x's leading shape {lead}, got {tuple(topk_ids.shape)}")
+  if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+    raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
+                     f"{tuple(topk_weights.shape)}")
+  experts, two_i, h13 = w13_q.shape
+  if two_i % 2 or h13 != h:
+    raise ValueError(f"w13_q must be (E, 2I, H) = (E, 2I, {h}) for x of shape {tuple(x.shape)} (gate and up stacked), "
+                     f"got {tuple(w13_q.shape)}")
+  i = two_i // 2
+  if tuple(w2_q.shape) != (experts, h, i):
+    raise ValueError(f"w2_q must be (E, H, I) = {(experts, h, i)} for w13_q of shape {tuple(w13_q.shape)}, got "
+                     f"{tuple(w2_q.shape)}")
+  for name, s, (n, k) in (("w13_s", w13_s, (two_i, h)), ("w2_s", w2_s, (h, i))):
+    want = (experts, -(-n // gn), -(-k // gk))
+    if tuple(s.shape) != want:
+      raise ValueError(f"{name} must have shape (E, ceil(N/gn), ceil(K/gk)) = {want} for block_size={(gn, gk)}, "
+                       f"got {tuple(s.shape)}")
+  for name, k in (("H", h), ("I", i)):
+    if k % gk:
+      raise ValueError(f"{name}={k} must be a multiple of block_size[1]={gk} (the activations' quantization groups)")
+  return (gn, gk), lead

@@ -1,0 +1,459 @@
+"""The FP8 mixture-of-experts layer, docs/CONTRACT.md §8: routers, the layer on every implementation, expert
+parallelism, the NNX block and its checkpoint form.
+
+On CPU: both routers against the float64 reference (ids exact wherever the choice is not a float32 near-tie, ties to
+the lower index), the layer against `reference.fp8_moe` for 0..300 tokens with empty experts and ids outside [0, E)
+(XLA, and the Mosaic kernels interpreted), leading dimensions, the errors, the transforms, `explain`, the CUDA
+lowering of the whole layer at DeepSeek-V3's expert shapes, expert parallelism on 8 simulated devices (bit-equal to
+one device), and `Fp8MoE` (Flax NNX) saved and loaded in the Hugging Face naming, shared experts included.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfp8 import _platform, moe
+from jaxfp8 import _transforms as transforms
+from jaxfp8 import reference as ref
+from jaxfp8.moe import planner as moe_planner
+from jaxfp8.moe.weights import MoeWeights, load_hf_moe, save_hf_moe
+from jaxfp8.weights import Fp8LinearWeight
+
+from helpers import MOSAIC_GEMM_IMPORTABLE
+
+F8 = jnp.float8_e4m3fn
+TOL = 1e-2  # docs/CONTRACT.md §8, bfloat16 x
+# A decision whose margin (in the float64 reference) is below this may go either way in float32.
+NEAR_TIE = 1e-5
+needs_mosaic = pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="the Mosaic GPU kernel does not import here")
+
+
+def _stacked(rng, e, n, k, block_size=(128, 128)):
+  """E experts' (n, k) weights quantized per block, each expert at its own magnitude (a wrong expert cannot hide)."""
+  qs, ss = [], []
+  for _ in range(e):
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05 * 4.0 ** rng.uniform(-1, 1))
+    q, s = ref.quantize_weight_blockwise(w, block_size)
+    qs.append(q)
+    ss.append(s)
+  return np.stack(qs), np.stack(ss)
+
+
+def _experts(rng, e=8, h=256, i=128, block_size=(128, 128)):
+  return (*_stacked(rng, e, 2 * i, h, block_size), *_stacked(rng, e, h, i, block_size))
+
+
+def _routing(rng, t, e, k, *, empty):
+  """ids (T, k) with no expert of `empty` chosen, an id outside [0, E) in some slots; weights in (0, 1)."""
+  allowed = np.setdiff1d(np.arange(e), empty)
+  ids = np.array([rng.choice(allowed, k, replace=False) for _ in range(t)], np.int32).reshape(t, k)
+  outside = rng.random((t, k)) < 0.1
+  ids[outside] = rng.choice([-1, e, e + 5], int(outside.sum()))
+  return ids, rng.random((t, k)).astype(np.float32)
+
+
+def _expected(x, ids, weights, experts, block_size=(128, 128)):
+  return ref.cast_output(ref.fp8_moe(np.asarray(x), ids, weights, *experts, block_size), x.dtype).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------------------ routers
+
+
+def _margins(values, k):
+  """Per row, the gap between the k-th and (k+1)-th largest value (inf when there is no (k+1)-th)."""
+  s = -np.sort(-values, axis=-1)
+  return s[:, k - 1] - s[:, k] if values.shape[-1] > k else np.full(values.shape[0], np.inf)
+
+
+def _deepseek_margin(logits, bias, router: moe.DeepSeekV3Router):
+  """The smaller of the group choice's and the expert choice's margins, per token, in float64."""
+  e = logits.shape[1]
+  choice = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + bias.astype(np.float64)
+  grouped = choice.reshape(len(logits), router.n_group, e // router.n_group)
+  group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)
+  best = np.argsort(-group_scores, axis=-1, kind="stable")[:, :router.topk_group]
+  allowed = np.zeros_like(group_scores, bool)
+  allowed[np.arange(len(logits))[:, None], best] = True
+  masked = np.where(np.repeat(allowed, e // router.n_group, axis=1), choice, -np.inf)
+  return np.minimum(_margins(group_scores, router.topk_group), _margins(masked, router.top_k))
+
+
+def _assert_routes(ids, weights, want_ids, want_weights, margin):
+  ids, weights = np.asarray(ids), np.asarray(weights)
+  clear = margin > NEAR_TIE
+  assert clear.mean() >= 0.9, f"only {clear.mean():.0%} of the tokens are clear of near-ties: the test checks little"
+  np.testing.assert_array_equal(ids[clear], want_ids[clear])
+  np.testing.assert_allclose(weights[clear], want_weights[clear], rtol=2e-6, atol=1e-7)
+  # Near-ties: still a valid choice (distinct experts), whatever the order.
+  assert all(len(set(row)) == ids.shape[1] for row in ids)
+
+
+@pytest.mark.parametrize("e,n_group,topk_group,top_k,norm", [(256, 8, 4, 8, True), (64, 8, 3, 6, True),
+                                                            (16, 4, 2, 3, False), (8, 1, 1, 2, True)])
+def test_deepseek_v3_router_matches_reference(rng, e, n_group, topk_group, top_k, norm):
+  router = moe.DeepSeekV3Router(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5,
+                                norm_topk_prob=norm)
+  logits = (rng.standard_normal((97, e)) * 2).astype(np.float32)
+  bias = (rng.standard_normal(e) * 0.1).astype(np.float32)
+  ids, weights = jax.jit(router)(jnp.asarray(logits), jnp.asarray(bias))
+  assert ids.dtype == jnp.int32 and weights.dtype == jnp.float32 and ids.shape == (97, top_k)
+  want_ids, want_weights = ref.deepseek_v3_route(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                                 routed_scaling_factor=2.5, norm_topk_prob=norm)
+  _assert_routes(ids, weights, want_ids, want_weights, _deepseek_margin(logits, bias, router))
+  if norm:
+    np.testing.assert_allclose(np.asarray(weights).sum(-1), 2.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("e,top_k,norm", [(128, 8, True), (60, 4, True), (8, 2, False), (5, 5, True)])
+def test_qwen3_router_matches_reference(rng, e, top_k, norm):
+  router = moe.Qwen3MoeRouter(top_k=top_k, norm_topk_prob=norm)
+  logits = (rng.standard_normal((97, e)) * 2).astype(np.float32)
+  ids, weights = jax.jit(router)(jnp.asarray(logits))
+  want_ids, want_weights = ref.qwen3_moe_route(logits, top_k=top_k, norm_topk_prob=norm)
+  probs = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+  _assert_routes(ids, weights, want_ids, want_weights, _margins(probs / probs.sum(-1, keepdims=True), top_k))
+
+
+def test_routers_break_ties_to_the_lower_index():
+  logits = jnp.zeros((3, 16), jnp.float32)
+  ids, weights = moe.DeepSeekV3Router(top_k=4, n_group=4, topk_group=2)(logits, jnp.zeros(16, jnp.float32))
+  np.testing.assert_array_equal(np.asarray(ids), np.tile(np.arange(4), (3, 1)))
+  np.testing.assert_allclose(np.asarray(weights), 2.5 / 4, rtol=1e-6)
+  ids, weights = moe.Qwen3MoeRouter(top_k=3)(logits)
+  np.testing.assert_array_equal(np.asarray(ids), np.tile(np.arange(3), (3, 1)))
+  # The correction bias moves the choice, not the weights: experts 15 and 14 win, weighted by their plain scores.
+  bias = jnp.zeros(16, jnp.float32).at[15].set(1.0).at[14].set(0.5)
+  ids, weights = moe.DeepSeekV3Router(top_k=2, n_group=4, topk_group=1, norm_topk_prob=False,
+                                      routed_scaling_factor=1.0)(logits, bias)
+  np.testing.assert_array_equal(np.asarray(ids), [[15, 14]] * 3)
+  np.testing.assert_allclose(np.asarray(weights), 0.5)
+
+
+@pytest.mark.parametrize("router,experts,match", [
+    (moe.DeepSeekV3Router(n_group=3), 256, "n_group=3 must divide the number of experts 256"),
+    (moe.DeepSeekV3Router(n_group=8), 8, "needs 2 or more"),
+    (moe.DeepSeekV3Router(top_k=20, n_group=8, topk_group=2), 64, "top_k=20 experts must fit"),
+    (moe.DeepSeekV3Router(top_k=0), 256, "top_k"),
+    (moe.Qwen3MoeRouter(top_k=9), 8, "top_k=9 exceeds the number of experts 8"),
+])
+def test_router_configs_are_checked(router, experts, match):
+  with pytest.raises(ValueError, match=match):
+    router.validate(experts)
+
+
+# ---------------------------------------------------------------------------------------------------- the layer
+
+
+TOKENS = [1, 5, 37, 300, 0]
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("mosaic", marks=needs_mosaic)])
+def test_layer_matches_reference(rng, implementation, tokens):
+  if implementation == "mosaic" and tokens == 300:
+    pytest.skip("interpreted Mosaic kernels: 37 tokens cover every structure; 300 only costs time on CPU")
+  experts = _experts(rng)
+  x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.bfloat16)
+  # Three experts no token chooses, a different three per token count: over 1, 5 and 37 tokens every one of the 8
+  # experts is empty once (with 0 tokens, all are).
+  empty = [(3 * TOKENS.index(tokens) + d) % 8 for d in range(3)]
+  ids, weights = _routing(rng, tokens, 8, 4, empty=empty)
+  out = moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts),
+                    implementation=implementation)
+  assert out.shape == (tokens, 256) and out.dtype == jnp.bfloat16
+  out = np.asarray(out, np.float32)
+  assert np.isfinite(out).all()
+  if tokens:
+    assert ref.relative_error(out, _expected(x, ids, weights, experts)) <= TOL
+  # A token whose every slot is outside [0, E) gets exactly zero.
+  if tokens >= 5:
+    ids[3] = -1
+    out = moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts),
+                      implementation=implementation)
+    assert not np.asarray(out[3], np.float32).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_layer_other_dtypes_and_block_sizes(rng, dtype):
+  block_size = (64, 128)
+  experts = _experts(rng, e=4, h=256, i=128, block_size=block_size)
+  x = jnp.asarray(rng.standard_normal((23, 256)), dtype)
+  ids, weights = _routing(rng, 23, 4, 2, empty=[1])
+  out = moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts), block_size)
+  assert out.dtype == dtype
+  assert ref.relative_error(np.asarray(out, np.float32), _expected(x, ids, weights, experts, block_size)) <= TOL
+
+
+def test_leading_dimensions_and_jit_equal_the_flat_call(rng):
+  experts = tuple(map(jnp.asarray, _experts(rng)))
+  x = jnp.asarray(rng.standard_normal((2, 3, 7, 256)), jnp.bfloat16)
+  ids, weights = _routing(rng, 42, 8, 3, empty=[0])
+  flat = moe.fp8_moe(x.reshape(42, 256), jnp.asarray(ids), jnp.asarray(weights), *experts)
+  nested = moe.fp8_moe(x, jnp.asarray(ids).reshape(2, 3, 7, 3), jnp.asarray(weights).reshape(2, 3, 7, 3), *experts)
+  jitted = jax.jit(moe.fp8_moe)(x, jnp.asarray(ids).reshape(2, 3, 7, 3), jnp.asarray(weights).reshape(2, 3, 7, 3),
+                                *experts)
+  np.testing.assert_array_equal(np.asarray(nested, np.float32).reshape(42, 256), np.asarray(flat, np.float32))
+  np.testing.assert_array_equal(np.asarray(jitted, np.float32), np.asarray(nested, np.float32))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3"])
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("mosaic", marks=needs_mosaic)])
+def test_from_logits_is_the_router_then_the_layer(rng, family, implementation):
+  experts = tuple(map(jnp.asarray, _experts(rng, e=16)))
+  x = jnp.asarray(rng.standard_normal((19, 256)), jnp.bfloat16)
+  logits = jnp.asarray(rng.standard_normal((19, 16)), jnp.float32)
+  if family == "deepseek_v3":
+    router, bias = moe.DeepSeekV3Router(top_k=4, n_group=4, topk_group=2), jnp.asarray(rng.random(16), jnp.float32)
+  else:
+    router, bias = moe.Qwen3MoeRouter(top_k=4), None
+  out = moe.fp8_moe_from_logits(x, logits, *experts, router=router, correction_bias=bias,
+                                implementation=implementation)
+  ids, weights = router(logits, bias)
+  direct = moe.fp8_moe(x, ids, weights, *experts, implementation=implementation)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(direct, np.float32))
+  assert ref.relative_error(np.asarray(out, np.float32),
+                            _expected(x, np.asarray(ids), np.asarray(weights), experts)) <= TOL
+
+
+def _good():
+  e, h, i = 4, 256, 128
+  return dict(x=jnp.zeros((5, h), jnp.bfloat16), topk_ids=jnp.zeros((5, 2), jnp.int32),
+              topk_weights=jnp.ones((5, 2), jnp.float32), w13_q=jnp.zeros((e, 2 * i, h), F8),
+              w13_s=jnp.ones((e, 2, 2), jnp.float32), w2_q=jnp.zeros((e, h, i), F8), w2_s=jnp.ones((e, 2, 1), jnp.float32))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(topk_ids=jnp.zeros((5, 2), jnp.float32)), TypeError, "topk_ids must have dtype int32"),
+    (dict(topk_ids=jnp.zeros((4, 2), jnp.int32)), ValueError, r"topk_ids must be \(..., k\) with x's leading shape"),
+    (dict(topk_weights=jnp.ones((5, 3), jnp.float32)), ValueError, "topk_weights must have topk_ids' shape"),
+    (dict(x=jnp.zeros((5, 256), jnp.int32)), TypeError, "x must have dtype"),
+    (dict(w13_q=jnp.zeros((4, 256, 256), jnp.bfloat16)), TypeError, "w13_q must have dtype float8_e4m3fn"),
+    (dict(w13_q=jnp.zeros((4, 255, 256), F8)), ValueError, r"w13_q must be \(E, 2I, H\)"),
+    (dict(w2_q=jnp.zeros((3, 256, 128), F8)), ValueError, r"w2_q must be \(E, H, I\) = \(4, 256, 128\)"),
+    (dict(w2_s=jnp.ones((4, 2, 2), jnp.float32)), ValueError, r"w2_s must have shape \(E, ceil\(N/gn\), ceil\(K/gk\)\)"),
+    (dict(x=jnp.zeros((5, 200), jnp.bfloat16), w13_q=jnp.zeros((4, 256, 200), F8), w2_q=jnp.zeros((4, 200, 128), F8)),
+     ValueError, "H=200 must be a multiple of block_size"),
+])
+def test_errors_name_the_argument(change, error, match):
+  with pytest.raises(error, match=match):
+    moe.fp8_moe(**{**_good(), **change})
+
+
+def test_option_and_router_errors():
+  args = _good()
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    moe.fp8_moe(**args, implementation="triton")
+  experts = [args[n] for n in ("w13_q", "w13_s", "w2_q", "w2_s")]
+  logits = jnp.zeros((5, 4), jnp.float32)
+  with pytest.raises(ValueError, match="DeepSeekV3Router needs correction_bias"):
+    moe.fp8_moe_from_logits(args["x"], logits, *experts, router=moe.DeepSeekV3Router(top_k=2, n_group=2,
+                                                                                      topk_group=1))
+  with pytest.raises(ValueError, match="Qwen3MoeRouter takes no correction_bias"):
+    moe.fp8_moe_from_logits(args["x"], logits, *experts, router=moe.Qwen3MoeRouter(top_k=2),
+                            correction_bias=jnp.zeros(4, jnp.float32))
+  with pytest.raises(ValueError, match=r"router_logits must have shape \(..., E\) = \(5, 4\)"):
+    moe.fp8_moe_from_logits(args["x"], jnp.zeros((5, 8), jnp.float32), *experts, router=moe.Qwen3MoeRouter(top_k=2))
+  with pytest.raises(TypeError, match="router must be a DeepSeekV3Router or Qwen3MoeRouter"):
+    moe.fp8_moe_from_logits(args["x"], logits, *experts, router=lambda logits: logits)
+
+
+def test_transforms_refused_with_one_error():
+  args = _good()
+  with pytest.raises(transforms.TransformError, match="jaxfp8.moe.fp8_moe is not differentiable"):
+    jax.grad(lambda x: moe.fp8_moe(**{**args, "x": x}).astype(jnp.float32).sum())(args["x"])
+  with pytest.raises(transforms.TransformError, match="jaxfp8.moe.fp8_moe is not differentiable"):
+    jax.grad(lambda w: moe.fp8_moe(**{**args, "topk_weights": w}).astype(jnp.float32).sum())(args["topk_weights"])
+  with pytest.raises(transforms.TransformError, match="jax.vmap of jaxfp8.moe.fp8_moe"):
+    jax.vmap(lambda x: moe.fp8_moe(**{**args, "x": x}))(jnp.stack([args["x"]] * 2))
+  out = jax.eval_shape(lambda: moe.fp8_moe(**args))
+  assert out.shape == (5, 256) and out.dtype == jnp.bfloat16
+
+
+def test_explain_says_what_runs_and_why():
+  x = jax.ShapeDtypeStruct((64, 7168), jnp.bfloat16)
+  w13 = jax.ShapeDtypeStruct((32, 4096, 7168), F8)
+  w2 = jax.ShapeDtypeStruct((32, 7168, 2048), F8)
+  plan = moe.explain(x, w13, w2, top_k=8)
+  text = str(plan)
+  assert plan.rows == 512 and plan.gate_up.implementation == "xla" and not plan.column_major
+  assert "64 tokens x top-8" in text and "no NVIDIA GPU" in text and "ragged" in text
+  if MOSAIC_GEMM_IMPORTABLE:
+    with _platform.abstract_h200():
+      gpu = moe.explain(x, w13, w2, top_k=8)
+    assert gpu.gate_up.implementation == gpu.down.implementation == "mosaic" and gpu.column_major
+    assert gpu.quant_x.implementation == gpu.quant_h.implementation == "mosaic"
+    assert gpu.quant_h.problem.fuse_silu_and_mul and "own quantizer" in str(gpu)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("tokens,top_k,e,h,i", [(64, 8, 32, 7168, 2048), (4096, 8, 128, 2048, 768)])
+def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
+  """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200."""
+  structs = [jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
+             jax.ShapeDtypeStruct((tokens, top_k), jnp.float32), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
+             jax.ShapeDtypeStruct((e, 2 * i // 128, h // 128), jnp.float32), jax.ShapeDtypeStruct((e, h, i), F8),
+             jax.ShapeDtypeStruct((e, h // 128, i // 128), jnp.float32)]
+  with _platform.abstract_h200():
+    plan = moe.explain(structs[0], structs[3], structs[5], top_k)
+    assert plan.gate_up.implementation == "mosaic"
+    exported = jax.export.export(jax.jit(moe.fp8_moe), platforms=["cuda"])(*structs)
+  assert exported.out_avals[0].shape == (tokens, h)
+  assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_sort_by_expert_is_stable_and_puts_outside_ids_last():
+  order, sizes = moe_planner.sort_by_expert(jnp.array([[2, -1], [0, 2], [5, 0]], jnp.int32), 3)
+  np.testing.assert_array_equal(np.asarray(sizes), [2, 0, 2])
+  np.testing.assert_array_equal(np.asarray(order), [2, 5, 0, 3, 1, 4])  # stable; ids outside [0, 3) last
+
+
+# ------------------------------------------------------------------------------------------- expert parallelism
+
+_PARALLEL = r"""
+import sys, numpy as np, jax, jax.numpy as jnp
+from jaxfp8 import moe, reference as ref
+sys.path.insert(0, sys.argv[2])
+import test_moe as t
+rng = np.random.default_rng(int(sys.argv[1]))
+mesh = jax.make_mesh((8,), ("ep",))
+experts = tuple(map(jnp.asarray, t._experts(rng, e=16)))
+for tokens in (8, 64):
+  x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.bfloat16)
+  ids, weights = t._routing(rng, tokens, 16, 4, empty=[3, 11])
+  ids, weights = jnp.asarray(ids), jnp.asarray(weights)
+  single = np.asarray(moe.fp8_moe(x, ids, weights, *experts), np.float32)
+  eager = moe.expert_parallel_fp8_moe(x, ids, weights, *experts, mesh=mesh, axis_name="ep")
+  jitted = jax.jit(lambda *a: moe.expert_parallel_fp8_moe(*a, mesh=mesh, axis_name="ep"))(x, ids, weights, *experts)
+  assert eager.sharding.spec[0] == "ep", eager.sharding  # split along the tokens, like x
+  for got in (eager, jitted):
+    assert np.array_equal(np.asarray(got, np.float32), single), ref.relative_error(np.asarray(got, np.float32), single)
+  print(tokens, "bit-equal")
+try:
+  from jaxfp8.moe.nn import Fp8MoE
+except ImportError:  # flax is optional
+  Fp8MoE = None
+if Fp8MoE is not None:
+  weights = t._moe_weights(rng, deepseek=True, e=16)
+  router = moe.DeepSeekV3Router(top_k=4, n_group=4, topk_group=2)
+  x = jnp.asarray(rng.standard_normal((2, 16, 256)), jnp.bfloat16)
+  one = np.asarray(Fp8MoE(weights, router)(x), np.float32)
+  ep = np.asarray(Fp8MoE(weights, router, mesh=mesh, axis_name="ep")(x), np.float32)
+  assert np.array_equal(ep, one), ref.relative_error(ep, one)
+  print("Fp8MoE bit-equal")
+try:
+  moe.expert_parallel_fp8_moe(jnp.zeros((12, 256), jnp.bfloat16), jnp.zeros((12, 2), jnp.int32),
+                              jnp.zeros((12, 2), jnp.float32), *experts, mesh=mesh, axis_name="ep")
+except ValueError as e:
+  assert "the tokens T=12 must split evenly over the 8 devices" in str(e), e
+else:
+  raise AssertionError("12 tokens over 8 devices were accepted")
+print("ok")
+"""
+
+
+def test_expert_parallel_equals_one_device(tmp_path):
+  """16 experts over 8 simulated devices, tokens split too: the result equals the single-device layer's bit for bit
+  (eager and under jit), every routed row delivered (no capacity limit), ids outside [0, E) contributing nothing;
+  the NNX block with a mesh equals it without one."""
+  script = tmp_path / "expert_parallel.py"
+  script.write_text(_PARALLEL)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, str(script), os.environ.get("JAXFP8_TEST_SEED", "0"),
+                         str(Path(__file__).resolve().parent)], env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------- NNX and checkpoints
+
+
+def _moe_weights(rng, *, deepseek: bool, e=8, h=256, i=128):
+  w13_q, w13_s, w2_q, w2_s = _experts(rng, e, h, i)
+  shared = {}
+  if deepseek:
+    gq, gs = _stacked(rng, 1, 2 * i, h)
+    dq, ds = _stacked(rng, 1, h, i)
+    shared = dict(shared_gate_up=Fp8LinearWeight(gq[0], gs[0], None, (128, 128)),
+                  shared_down=Fp8LinearWeight(dq[0], ds[0], None, (128, 128)))
+  return MoeWeights(w13_q, w13_s, w2_q, w2_s, (rng.standard_normal((e, h)) * 0.1).astype(np.float32), (128, 128),
+                    (rng.random(e) * 0.1).astype(np.float32) if deepseek else None, **shared)
+
+
+def _block_reference(x, w: MoeWeights, router):
+  """The block in float64 from the reference functions: router, experts, shared experts."""
+  tokens = np.asarray(x)
+  logits = np.asarray(router.logits(jnp.asarray(x), jnp.asarray(w.gate_weight)), np.float32)
+  if isinstance(router, moe.DeepSeekV3Router):
+    ids, weights = ref.deepseek_v3_route(logits, w.correction_bias, top_k=router.top_k, n_group=router.n_group,
+                                         topk_group=router.topk_group,
+                                         routed_scaling_factor=router.routed_scaling_factor)
+  else:
+    ids, weights = ref.qwen3_moe_route(logits, top_k=router.top_k)
+  out = ref.fp8_moe(tokens, ids, weights.astype(np.float32), w.w13_q, w.w13_s, w.w2_q, w.w2_s, w.block_size)
+  if w.shared_gate_up is not None:
+    gu = ref.cast_output(ref.w8a8_block_fp8_linear(tokens, w.shared_gate_up.w_q, w.shared_gate_up.w_s, (128, 128)),
+                         x.dtype)
+    a = ref.silu_and_mul(gu).astype(x.dtype)
+    out = out + ref.w8a8_block_fp8_linear(a, w.shared_down.w_q, w.shared_down.w_s, (128, 128))
+  return ref.cast_output(out, x.dtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3"])
+def test_nnx_block_round_trips_the_hf_checkpoint(rng, tmp_path, family):
+  nnx = pytest.importorskip("flax.nnx")
+  from jaxfp8.moe.nn import Fp8MoE
+  deepseek = family == "deepseek_v3"
+  weights = _moe_weights(rng, deepseek=deepseek)
+  router = moe.DeepSeekV3Router(top_k=3, n_group=4, topk_group=2) if deepseek else moe.Qwen3MoeRouter(top_k=3)
+  layer = Fp8MoE(weights, router)
+  x = jnp.asarray(rng.standard_normal((2, 9, 256)), jnp.bfloat16)
+  out = np.asarray(layer(x), np.float32)
+  assert out.shape == (2, 9, 256)
+  assert ref.relative_error(out.reshape(18, 256), _block_reference(x.reshape(18, 256), weights, router)) <= TOL
+  np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(layer, x), np.float32), out)
+
+  prefix = "model.layers.3.mlp"
+  layer.save_hf(tmp_path, prefix)
+  loaded = Fp8MoE.from_hf(tmp_path, prefix, router=router)
+  np.testing.assert_array_equal(np.asarray(loaded(x), np.float32), out)
+  read = load_hf_moe(tmp_path, prefix, as_numpy=True)
+  for name in ("w13_q", "w13_s", "w2_q", "w2_s", "gate_weight"):
+    np.testing.assert_array_equal(np.asarray(getattr(read, name)).view(np.uint8),
+                                  np.asarray(getattr(weights, name)).view(np.uint8))
+  assert (read.correction_bias is not None) == deepseek and (read.shared_gate_up is not None) == deepseek
+  # One device's share of the experts under expert parallelism; the router still covers all of them.
+  share = load_hf_moe(tmp_path, prefix, experts=[2, 3], as_numpy=True)
+  np.testing.assert_array_equal(share.w2_s, weights.w2_s[2:4])
+  assert share.gate_weight.shape == (8, 256)
+
+
+def test_nnx_block_checks_its_arguments(rng, tmp_path):
+  pytest.importorskip("flax.nnx")
+  from jaxfp8.moe.nn import Fp8MoE
+  weights = _moe_weights(rng, deepseek=False)
+  with pytest.raises(ValueError, match="DeepSeekV3Router needs correction_bias"):
+    Fp8MoE(weights, moe.DeepSeekV3Router(top_k=2, n_group=4, topk_group=2))
+  with pytest.raises(ValueError, match="pass both mesh and axis_name"):
+    Fp8MoE(weights, moe.Qwen3MoeRouter(top_k=2), axis_name="ep")
+  with pytest.raises(TypeError, match="weights must be MoeWeights"):
+    Fp8MoE({}, moe.Qwen3MoeRouter(top_k=2))
+  save_hf_moe(tmp_path, "mlp", weights)
+  with pytest.raises(ValueError, match="expert 9 of 'mlp' lacks"):
+    load_hf_moe(tmp_path, "mlp", experts=[9])
+  with pytest.raises(ValueError, match="no block-FP8 experts"):
+    load_hf_moe(tmp_path, "model.layers.0.mlp")
+
+
+def test_stacking_needs_whole_scale_blocks():
+  from jaxfp8.moe.weights import stack_gate_up
+  gate = Fp8LinearWeight(np.zeros((96, 128), np.float32).astype(F8), np.ones((1, 1), np.float32), None, (128, 128))
+  with pytest.raises(ValueError, match="I=96 must be a multiple of gn=128"):
+    stack_gate_up(gate, gate, "mlp expert 0")
