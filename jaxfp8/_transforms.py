@@ -48,3 +48,13 @@ def batched(fun: Callable[..., Any], rule: Callable[..., Any]) -> Callable[..., 
 
 def refuse_vmap(op: str, what: str, hint: str) -> None:
   raise TransformError(f"jax.vmap of {op} over {what} is not supported: {hint}")
+
+
+def untransformable(fun: Callable[..., Any], op: str, *, vmap_hint: str, derivative_hint: str) -> Callable[..., Any]:
+  """`fun` with `jax.vmap` over any argument and every derivative refused, each with one `TransformError` naming `op`
+  (`jax.jit` and `jax.eval_shape` still work)."""
+  def vmap_rule(axis_size, in_batched, *args):
+    del axis_size, in_batched, args
+    refuse_vmap(op, "any argument", vmap_hint)
+
+  return not_differentiable(batched(fun, vmap_rule), op, derivative_hint)

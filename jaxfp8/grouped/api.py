@@ -95,14 +95,10 @@ def transformable(plan: planner.GroupedPlan):
   def run(a_q, b_q, a_s, b_s, counts):
     return planner.run(a_q, b_q, a_s, b_s, counts, plan=plan)
 
-  def vmap_rule(axis_size, in_batched, *args):
-    del axis_size, in_batched, args
-    transforms.refuse_vmap(op, "any argument", "its rows are already grouped; call it once per batch, or put the "
-                           "batch's rows into the groups")
-
-  return transforms.not_differentiable(
-      transforms.batched(run, vmap_rule), op,
-      "it multiplies quantized codes (gradients of an MoE layer go through its bf16 or dequantized experts)")
+  return transforms.untransformable(
+      run, op, vmap_hint="its rows are already grouped; call it once per batch, or put the batch's rows into the "
+      "groups", derivative_hint="it multiplies quantized codes (gradients of an MoE layer go through its bf16 or "
+      "dequantized experts)")
 
 
 def _validate(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, out_dtype):

@@ -98,14 +98,11 @@ def transformable(plan: planner.MoePlan):
   def run(*args):
     return _forward(*args, plan=plan)
 
-  def vmap_rule(axis_size, in_batched, *args):
-    del axis_size, in_batched, args
-    transforms.refuse_vmap(_OP, "any argument", "give the tokens a leading batch shape instead (x (..., H), topk_ids "
-                           "and topk_weights (..., k)): they are folded into one call")
-
-  return transforms.not_differentiable(
-      transforms.batched(run, vmap_rule), _OP,
-      "its experts are frozen FP8 codes and its routing is discrete; fine-tune around it (e.g. adapters)")
+  return transforms.untransformable(
+      run, _OP, vmap_hint="give the tokens a leading batch shape instead (x (..., H), topk_ids and topk_weights "
+      "(..., k)): they are folded into one call",
+      derivative_hint="its experts are frozen FP8 codes and its routing is discrete; fine-tune around it (e.g. "
+      "adapters)")
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
