@@ -25,6 +25,10 @@
 #                 python -m jaxfp8 bench --ops=grouped_gemm (ours, lax.ragged_dot and JAX's Pallas ragged dot in bf16,
 #                 our dense GEMM at the same rows; GROUPED_BENCH_ARGS overrides; stops between shapes at 420 s).
 #                 The GPU tests single-process: 18 of 24 in 70 s; the bench aborted in ptxas (WORKSPACE.md)
+#   moe           tests/test_moe.py on the GPU (the layer on the real kernels against the reference), then
+#                 scripts/bench_moe.py: the MoE layer op by op (route, sort, quantize, permute, gate_up, silu_quant,
+#                 down, combine) and whole, beside the same layer in bf16 on lax.ragged_dot and JAX's Pallas ragged
+#                 dot, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 1, 64, 4096 tokens (MOE_BENCH_ARGS). Not yet run
 #   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   ncu-gemm      Nsight Compute, every section, on one call of the Mosaic GEMM and one of cuBLASLt's per-tensor FP8
 #                 GEMM at M=4096 N=24576 K=7168 (scripts/ncu_gemm.py; NCU_ARGS adds ncu options, NCU_SHAPE script
@@ -123,6 +127,8 @@ for phase in "${phases[@]}"; do
                --junitxml="$out/tests_grouped.junit.xml"
              run bench_grouped python3 -m jaxfp8 bench --ops=grouped_gemm ${GROUPED_BENCH_ARGS:---time_budget_s=420} \
                --out="$out/grouped_gemm_h200.json" ;;
+    moe) run tests_moe python3 -m pytest tests/test_moe.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
+         run bench_moe python3 scripts/bench_moe.py "$out/moe_h200.json" ${MOE_BENCH_ARGS:-} ;;
     notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb ;;
     tune) cp jaxfp8/gemm/configs/triton_gemm_h200.json "$out/triton_gemm_h200.json"
           run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
