@@ -42,7 +42,7 @@ def fp8_moe(
   Returns:
     (..., H) in x's dtype. `explain(...)` says which kernels run and why.
   """
-  block_size, lead = _validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size)
+  block_size, lead = validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size)
   p = _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret)
   t, h, k = math.prod(lead), x.shape[-1], topk_ids.shape[-1]
   if t == 0 or k == 0:  # no routed row: nothing to launch
@@ -110,7 +110,7 @@ def _forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, *, plan: plann
   return planner.forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan)
 
 
-def _validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size):
+def validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size):
   """Checks every array against the others; returns (block_size, the tokens' leading shape)."""
   _checks.array("x", x, _checks.FLOAT_DTYPES, ndim=None)
   _checks.array("topk_ids", topk_ids, (I32,), ndim=None)
