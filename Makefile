@@ -1,4 +1,4 @@
-# `make run`: the main job; `make test`: the CPU test suite (incl. both notebooks); `make bench-cpu`: the benchmark
+# `make run`: the main job; `make test`: the CPU test suite (incl. every notebook); `make bench-cpu`: the benchmark
 # command on a tiny shape list. All create .venv (Python >= 3.12, the newest JAX the supported range admits) on first
 # use. `make test-jax-0.11`: the same suite in .venv-jax0.11 against the oldest JAX of the range (CI runs both).
 VENV := .venv

@@ -1,5 +1,5 @@
-"""Writes quickstart.ipynb and benchmarks.ipynb (outputs stripped) from the cells below: edit here, then run
-`.venv/bin/python notebooks/make_notebooks.py`. tests/test_notebooks.py executes both notebooks."""
+"""Writes quickstart.ipynb, benchmarks.ipynb and moe.ipynb (outputs stripped) from the cells below: edit here, then run
+`.venv/bin/python notebooks/make_notebooks.py`. tests/test_notebooks.py executes every notebook."""
 
 from pathlib import Path
 
@@ -131,6 +131,117 @@ Dashed: the roofline measured or quoted in the same run."""),
   plt.show()"""),
 ]
 
+MOE = [
+    new_markdown_cell("""# The FP8 mixture-of-experts layer
+
+An MoE block the way Qwen3-MoE and DeepSeek-V3 FP8 checkpoints hold it: each expert's gate, up and down projections
+in block FP8, a float router. This notebook
+
+1. quantizes a small block's experts and routes random tokens with Qwen3-MoE's router,
+2. runs `jaxfp8.moe.fp8_moe_from_logits` and compares it with the same block in bf16 and with the float64 reference
+   (docs/CONTRACT.md §8), and shows the plan (`moe.explain`),
+3. plots how many routed rows each expert received,
+4. plots the layer op by op: the H200 results of `scripts/bench_moe.py` when `benchmarks/moe_h200.json` exists,
+   otherwise the same script on a tiny layer here (on CPU: wall clock, which only shows the script working).
+
+It runs unchanged on CPU (XLA, the Mosaic kernels not at all) and on a Hopper GPU (the Mosaic grouped GEMMs)."""),
+    new_code_cell("""import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import matplotlib.pyplot as plt
+
+import jaxfp8
+from jaxfp8 import moe, reference
+
+print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")"""),
+    new_markdown_cell("""## 1. A small block: 16 experts, H=512, I=256, top-4
+
+Experts are stacked once: `w13` (E, 2I, H) holds each expert's [gate | up] rows, `w2` (E, H, I) its down projection
+(`jaxfp8.moe.weights.load_hf_moe` does this from a checkpoint)."""),
+    new_code_cell("""E, H, I, TOP_K, T = 16, 512, 256, 4, 96
+keys = jax.random.split(jax.random.key(0), 5)
+w13 = (jax.random.normal(keys[0], (E, 2 * I, H)) * 0.05).astype(jnp.bfloat16)
+w2 = (jax.random.normal(keys[1], (E, H, I)) * 0.05).astype(jnp.bfloat16)
+gate_weight = jax.random.normal(keys[2], (E, H)) * 0.05
+quantize = jax.vmap(lambda w: jaxfp8.quantize_weight_blockwise(w, block_size=(128, 128)))
+w13_q, w13_s = quantize(w13)
+w2_q, w2_s = quantize(w2)
+x = jax.random.normal(keys[3], (T, H)).astype(jnp.bfloat16)
+router = moe.Qwen3MoeRouter(top_k=TOP_K)
+logits = router.logits(x, gate_weight)
+print("w13_q", w13_q.shape, w13_q.dtype, "| w13_s", w13_s.shape, "| logits", logits.shape)"""),
+    new_markdown_cell("""## 2. Run the layer; compare with bf16 and the reference"""),
+    new_code_cell("""out = moe.fp8_moe_from_logits(x, logits, w13_q, w13_s, w2_q, w2_s, router=router)
+ids, weights = router(logits)
+
+def bf16_block(x, ids, weights, w13, w2):
+  \"\"\"The same block on the bf16 weights, one expert at a time (dense masks: fine at this size).\"\"\"
+  out = jnp.zeros(x.shape, jnp.float32)
+  for e in range(E):
+    h = x.astype(jnp.float32) @ w13[e].astype(jnp.float32).T
+    y = (jax.nn.silu(h[:, :I]) * h[:, I:]) @ w2[e].astype(jnp.float32).T
+    out = out + (jnp.where(ids == e, weights, 0.0).sum(-1))[:, None] * y
+  return out
+
+bf16 = np.asarray(bf16_block(x, ids, weights, w13, w2))
+exact = reference.fp8_moe(np.asarray(x), np.asarray(ids), np.asarray(weights), np.asarray(w13_q), np.asarray(w13_s),
+                          np.asarray(w2_q), np.asarray(w2_s), (128, 128))
+got = np.asarray(out, np.float32)
+print(f"vs the float64 reference of the same FP8 computation: {reference.relative_error(got, exact):.2e}")
+print(f"vs the bf16 block (the model before FP8):               {reference.relative_error(got, bf16):.2e}")
+print()
+print(moe.explain(x, w13_q, w2_q, top_k=TOP_K))"""),
+    new_markdown_cell("""## 3. Routed rows per expert
+The grouped GEMMs see the rows sorted by expert; `group_sizes` counts them. An expert no token chose costs nothing."""),
+    new_code_cell("""order, group_sizes = moe.planner.sort_by_expert(ids, E)
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.bar(np.arange(E), np.asarray(group_sizes))
+ax.set_xlabel("expert"); ax.set_ylabel("routed rows"); ax.set_title(f"{T} tokens x top-{TOP_K} over {E} experts")
+plt.show()"""),
+    new_markdown_cell("""## 4. The layer op by op
+`scripts/bench_moe.py` times each op of the layer alone (route, sort, quantize, permute, gate_up, silu_quant, down,
+combine), the whole layer, and the same layer in bf16. On the H200 it is CUPTI kernel time (`scripts/gpu_round.sh
+moe` writes `moe_h200.json`); here, without that file, it runs a tiny layer on this machine."""),
+    new_code_cell("""import importlib.util
+import sys
+
+root = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "scripts").is_dir() and (p / "jaxfp8").is_dir())
+saved = root / "benchmarks" / "moe_h200.json"
+if saved.exists():
+  result = json.loads(saved.read_text())
+else:
+  spec = importlib.util.spec_from_file_location("bench_moe", root / "scripts" / "bench_moe.py")
+  bench_moe = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench_moe)
+  bench_moe.FLAGS(["bench_moe"])  # the script's flags at their defaults (absl parses them once)
+  on_gpu = jax.default_backend() == "gpu"
+  rows = bench_moe.run_layer("tiny", [8, 64], iterations=3, seed=0, on_gpu=on_gpu, log=lambda line: None)
+  result = dict(device=jax.devices()[0].device_kind, timing="this machine, " + ("CUPTI" if on_gpu else "wall clock"),
+                rows=rows)
+print(result["device"], "|", result["timing"])
+
+OPS = ["route", "sort", "quantize", "permute", "gate_up", "silu_quant", "down", "combine"]
+cases = sorted({(r["layer"], r["tokens"]) for r in result["rows"]})
+times = {(r["layer"], r["tokens"], r["contender"]): r["us"] for r in result["rows"]}
+fig, ax = plt.subplots(figsize=(8, 0.6 * len(cases) + 1.5))
+for row, case in enumerate(cases):
+  left = 0.0
+  for i, op in enumerate(OPS):
+    us = times.get((*case, f"fp8.{op}"), 0.0)
+    ax.barh(row, us, left=left, color=plt.cm.tab10(i), label=op if row == 0 else None)
+    left += us
+  for name, marker in (("fp8.layer", "|"), ("bf16.ragged_dot.layer", "x"), ("bf16.pallas.layer", "+")):
+    if (*case, name) in times:
+      ax.plot(times[(*case, name)], row, marker, color="k", markersize=12, label=name if row == 0 else None)
+ax.set_yticks(range(len(cases)), [f"{layer} T={t}" for layer, t in cases])
+ax.set_xlabel("microseconds"); ax.legend(fontsize=7, ncol=3, loc="lower right")
+ax.set_title("MoE layer: each op alone (bars) and the whole layer (markers)")
+plt.show()"""),
+]
+
 
 def write(cells, name: str) -> None:
   nb = new_notebook(cells=cells, metadata={
@@ -143,3 +254,4 @@ def write(cells, name: str) -> None:
 if __name__ == "__main__":
   write(QUICKSTART, "quickstart.ipynb")
   write(BENCHMARKS, "benchmarks.ipynb")
+  write(MOE, "moe.ipynb")

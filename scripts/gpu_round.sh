@@ -29,7 +29,7 @@
 #                 scripts/bench_moe.py: the MoE layer op by op (route, sort, quantize, permute, gate_up, silu_quant,
 #                 down, combine) and whole, beside the same layer in bf16 on lax.ragged_dot and JAX's Pallas ragged
 #                 dot, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 1, 64, 4096 tokens (MOE_BENCH_ARGS). Not yet run
-#   notebooks     both notebooks' code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
+#   notebooks     every notebook's code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   ncu-gemm      Nsight Compute, every section, on one call of the Mosaic GEMM and one of cuBLASLt's per-tensor FP8
 #                 GEMM at M=4096 N=24576 K=7168 (scripts/ncu_gemm.py; NCU_ARGS adds ncu options, NCU_SHAPE script
 #                 options): 20 s on an H200 (benchmarks/ncu_gemm_h200_full.log)
@@ -50,7 +50,7 @@
 #                            kernel (slow: set SANITIZE_TOOLS="memcheck" etc. to split it over device calls)
 #   correctness   every correctness check at once on one GPU, nothing timed (a 16-core H200 machine, ~9 min): the
 #                 GPU-marked GEMM tests (-n 4), linear/weights/nn/sharding/extremes tests (-n 3), the GPU fuzz
-#                 profile (-n 8, one worker per property), both notebooks, determinism and all four
+#                 profile (-n 8, one worker per property), every notebook, determinism and all four
 #                 compute-sanitizer tools (SANITIZE_JOBS, default 3, at once). The quantizer tests are left out (run
 #                 tests-quant when pallas_kernels/quant_* change)
 #   all           every phase above, in order (needs several device calls' worth of time: use phases)
@@ -129,7 +129,7 @@ for phase in "${phases[@]}"; do
                --out="$out/grouped_gemm_h200.json" ;;
     moe) run tests_moe python3 -m pytest tests/test_moe.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
          run bench_moe python3 scripts/bench_moe.py "$out/moe_h200.json" ${MOE_BENCH_ARGS:-} ;;
-    notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb ;;
+    notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb notebooks/moe.ipynb ;;
     tune) cp jaxfp8/gemm/configs/triton_gemm_h200.json "$out/triton_gemm_h200.json"
           run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
     bench-linear) run bench_linear python3 -m jaxfp8 bench --ops=linear \
@@ -145,7 +145,7 @@ for phase in "${phases[@]}"; do
         --junitxml="$out/tests_linear.junit.xml"
       JAXFP8_FUZZ_PROFILE=gpu start_bg fuzz_gpu python3 -m pytest tests/test_fuzz.py -n 8 "${parallel_args[@]}" \
         --junitxml="$out/fuzz_gpu.junit.xml"
-      start_bg notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb
+      start_bg notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb notebooks/moe.ipynb
       start_bg determinism python3 scripts/determinism.py "$out/determinism_h200.json"
       OUT=$out SANITIZE_JOBS=${SANITIZE_JOBS:-3} start_bg sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-}
       wait_bg ;;

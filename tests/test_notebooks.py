@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("ipykernel")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ("quickstart.ipynb", "benchmarks.ipynb")
+NAMES = ("quickstart.ipynb", "benchmarks.ipynb", "moe.ipynb")
 
 
 @pytest.mark.parametrize("name", NAMES)
