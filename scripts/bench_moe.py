@@ -104,10 +104,10 @@ def _fp8_ops(plan: moe_planner.MoePlan):
   def down(h_q, h_s, sizes, w2_q, w2_s):
     return grouped.planner.run(h_q, w2_q, h_s, w2_s, sizes, plan=plan.down)
 
-  def combine(y, order, weights):
+  def combine(y, order, ids, weights):
     t, k = weights.shape
     slots = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(t, k, -1)
-    return moe_planner.combine(slots, weights, jnp.bfloat16)
+    return moe_planner.combine(slots, weights, (ids >= 0) & (ids < plan.experts), jnp.bfloat16)
 
   return dict(sort=jax.jit(sort), quantize=jax.jit(quantize), permute=jax.jit(permute, static_argnums=3),
               gate_up=jax.jit(gate_up), silu_quant=jax.jit(silu_quant), down=jax.jit(down),
@@ -128,7 +128,7 @@ def _bf16_layer(dot):
     owned = jnp.arange(t * k) < sizes.sum()
     y = jnp.where(owned[:, None], y, 0.0)  # rows past the groups: ragged_dot leaves them zero; a kernel may not
     slots = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(t, k, -1)
-    return moe_planner.combine(slots, weights, jnp.bfloat16)
+    return moe_planner.combine(slots, weights, (ids >= 0) & (ids < experts), jnp.bfloat16)
   return layer
 
 
@@ -216,7 +216,7 @@ def run_layer(name, tokens, *, iterations, seed, on_gpu, log=print) -> list[dict
     record("fp8.silu_quant", time_us(ops["silu_quant"], [(hid,)]))
     y = ops["down"](h_q, h_s, sizes, w2_q, w2_s)
     record("fp8.down", time_us(ops["down"], [(h_q, h_s, sizes, w2_q, w2_s)]))
-    record("fp8.combine", time_us(ops["combine"], [(y, order, weights)]))
+    record("fp8.combine", time_us(ops["combine"], [(y, order, ids, weights)]))
     by_op = {r["contender"]: r["us"] for r in rows if r["tokens"] == t and r["layer"] == name}
     op_sum = sum(us for c, us in by_op.items() if c.startswith("fp8.") and c != "fp8.layer")
     gemm = sum(by_op[f"fp8.{op}"] for op in GEMM_OPS)

@@ -53,12 +53,15 @@ def _experts(rng, e=8, h=256, i=128, block_size=(128, 128)):
 
 
 def _routing(rng, t, e, k, *, empty):
-  """ids (T, k) with no expert of `empty` chosen, an id outside [0, E) in some slots; weights in (0, 1)."""
+  """ids (T, k) with no expert of `empty` chosen, an id outside [0, E) (weight inf) in some slots; other weights in
+  (0, 1)."""
   allowed = np.setdiff1d(np.arange(e), empty)
   ids = np.array([rng.choice(allowed, k, replace=False) for _ in range(t)], np.int32).reshape(t, k)
   outside = rng.random((t, k)) < 0.1
   ids[outside] = rng.choice([-1, e, e + 5], int(outside.sum()))
-  return ids, rng.random((t, k)).astype(np.float32)
+  weights = rng.random((t, k)).astype(np.float32)
+  weights[outside] = np.inf  # an id outside [0, E) adds nothing, whatever its weight
+  return ids, weights
 
 
 def _expected(x, ids, weights, experts, block_size=(128, 128)):
@@ -174,12 +177,13 @@ def test_layer_matches_reference(rng, implementation, tokens):
   assert np.isfinite(out).all()
   if tokens:
     assert ref.relative_error(out, _expected(x, ids, weights, experts)) <= TOL
-  # A token whose every slot is outside [0, E) gets exactly zero.
+  # A token whose every slot is outside [0, E) gets exactly zero, whatever weights those slots carry.
   if tokens >= 5:
     ids[3] = -1
+    weights[3] = [np.inf, np.nan, -np.inf, 1.0]
     out = moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts),
                       implementation=implementation)
-    assert not np.asarray(out[3], np.float32).any()
+    assert not np.asarray(out[3], np.float32).any() and np.isfinite(np.asarray(out, np.float32)).all()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])

@@ -139,9 +139,10 @@ def experts_on_rows(x_q, x_s, row_tokens, order, group_sizes, w13_q, w13_s, w2_q
   return grouped.planner.run(h_q[0], w2_q, h_s[0], w2_s, group_sizes, plan=plan.down)
 
 
-def combine(y_slots: jax.Array, topk_weights: jax.Array, out_dtype) -> jax.Array:
-  """out[t] = sum over slots j, in order, of float32(w[t, j]) * y[t, j] (float32), cast once. y_slots (T, k, H)."""
-  weights = topk_weights.astype(jnp.float32)
+def combine(y_slots: jax.Array, topk_weights: jax.Array, valid: jax.Array, out_dtype) -> jax.Array:
+  """out[t] = sum over slots j, in order, of float32(w[t, j]) * y[t, j] (float32), cast once. y_slots (T, k, H);
+  a slot not `valid` (its id outside the experts) adds nothing, whatever its weight (inf or NaN included)."""
+  weights = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
   acc = jnp.zeros(y_slots.shape[::2], jnp.float32)
   for j in range(y_slots.shape[1]):
     acc = acc + weights[:, j, None] * y_slots[:, j]
@@ -158,4 +159,5 @@ def forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan: MoePlan) 
   row_tokens = jnp.arange(t * k, dtype=jnp.int32) // k
   y = experts_on_rows(x_q[0], x_s[0], row_tokens, order, group_sizes, w13_q, w13_s, w2_q, w2_s, plan)
   y_slots = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(t, k, -1)
-  return combine(y_slots, topk_weights, x.dtype)
+  valid = (topk_ids >= 0) & (topk_ids < plan.experts)
+  return combine(y_slots, topk_weights, valid, x.dtype)
