@@ -268,6 +268,11 @@ def test_option_and_router_errors():
     moe.fp8_moe_from_logits(args["x"], jnp.zeros((5, 8), jnp.float32), *experts, router=moe.Qwen3MoeRouter(top_k=2))
   with pytest.raises(TypeError, match="router must be a DeepSeekV3Router or Qwen3MoeRouter"):
     moe.fp8_moe_from_logits(args["x"], logits, *experts, router=lambda logits: logits)
+  with pytest.raises(ValueError, match=r"correction_bias must have shape \(E,\) = \(4,\), one per expert"):
+    moe.fp8_moe_from_logits(args["x"], logits, *experts, router=moe.DeepSeekV3Router(top_k=2, n_group=2, topk_group=1),
+                            correction_bias=jnp.zeros(1, jnp.float32))
+  with pytest.raises(ValueError, match=r"correction_bias must have shape \(E,\) = \(4,\)"):
+    moe.DeepSeekV3Router(top_k=2, n_group=2, topk_group=1)(logits, jnp.zeros(1, jnp.float32))
 
 
 def test_transforms_refused_with_one_error():
@@ -341,6 +346,17 @@ for tokens in (8, 64):
   for got in (eager, jitted):
     assert np.array_equal(np.asarray(got, np.float32), single), ref.relative_error(np.asarray(got, np.float32), single)
   print(tokens, "bit-equal")
+# Every slot of every token to device 0's experts (0 and 1), ids repeated within a token: its buffers fill up.
+auto = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+x = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
+ids = jnp.asarray(rng.integers(0, 2, (64, 4)), jnp.int32)
+weights = jnp.asarray(rng.random((64, 4)), jnp.float32)
+single = np.asarray(moe.fp8_moe(x, ids, weights, *experts), np.float32)
+for m in (mesh, auto):
+  got = np.asarray(jax.jit(lambda *a: moe.expert_parallel_fp8_moe(*a, mesh=m, axis_name="ep"))(x, ids, weights,
+                                                                                               *experts), np.float32)
+  assert np.array_equal(got, single), ref.relative_error(got, single)
+print("full buffers, Explicit and Auto axes: bit-equal")
 try:
   from jaxfp8.moe.nn import Fp8MoE
 except ImportError:  # flax is optional
@@ -366,8 +382,9 @@ print("ok")
 
 def test_expert_parallel_equals_one_device(tmp_path):
   """16 experts over 8 simulated devices, tokens split too: the result equals the single-device layer's bit for bit
-  (eager and under jit), every routed row delivered (no capacity limit), ids outside [0, E) contributing nothing;
-  the NNX block with a mesh equals it without one."""
+  (eager and under jit), every routed row delivered (no capacity limit: every slot to one device, ids repeated),
+  ids outside [0, E) contributing nothing, on Explicit and Auto mesh axes; the NNX block with a mesh equals it
+  without one."""
   script = tmp_path / "expert_parallel.py"
   script.write_text(_PARALLEL)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -435,8 +452,19 @@ def test_nnx_block_round_trips_the_hf_checkpoint(rng, tmp_path, family):
   assert (read.correction_bias is not None) == deepseek and (read.shared_gate_up is not None) == deepseek
   # One device's share of the experts under expert parallelism; the router still covers all of them.
   share = load_hf_moe(tmp_path, prefix, experts=[2, 3], as_numpy=True)
-  np.testing.assert_array_equal(share.w2_s, weights.w2_s[2:4])
-  assert share.gate_weight.shape == (8, 256)
+  for name in ("w13_q", "w13_s", "w2_q", "w2_s"):
+    np.testing.assert_array_equal(np.asarray(getattr(share, name)).view(np.uint8),
+                                  np.asarray(getattr(weights, name))[2:4].view(np.uint8))
+  assert share.gate_weight.shape == (8, 256) and share.first_expert == 2 and not share.holds_every_expert
+  # A share is not a block on one device (its ids would name the wrong experts); saved, it keeps the global ids.
+  with pytest.raises(ValueError, match=r"needs every expert of its router \(8\); the weights hold experts \[2, 4\)"):
+    Fp8MoE(share, router)
+  save_hf_moe(tmp_path / "share", prefix, share)
+  again = load_hf_moe(tmp_path / "share", prefix, as_numpy=True)
+  assert again.first_expert == 2 and again.num_experts == 2
+  np.testing.assert_array_equal(again.w13_s, share.w13_s)
+  with pytest.raises(ValueError, match="ascending run of consecutive ids"):
+    load_hf_moe(tmp_path, prefix, experts=[1, 3])
 
 
 def test_nnx_block_checks_its_arguments(rng, tmp_path):

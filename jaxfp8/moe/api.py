@@ -69,6 +69,9 @@ def fp8_moe_from_logits(
     if correction_bias is None:
       raise ValueError("DeepSeekV3Router needs correction_bias (the checkpoint's e_score_correction_bias, (E,))")
     _checks.array("correction_bias", correction_bias, _checks.FLOAT_DTYPES, ndim=1)
+    if tuple(correction_bias.shape) != (router_logits.shape[-1],):
+      raise ValueError(f"correction_bias must have shape (E,) = ({router_logits.shape[-1]},), one per expert, got "
+                       f"{tuple(correction_bias.shape)}")
   logits = router_logits.reshape(-1, router_logits.shape[-1])
   ids, weights = router(logits, correction_bias)
   lead, k = x.shape[:-1], ids.shape[-1]

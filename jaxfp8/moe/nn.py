@@ -47,7 +47,15 @@ class Fp8MoE(nnx.Module):
                        f"{'none' if weights.correction_bias is None else 'one'}")
     if (mesh is None) != (axis_name is None):
       raise ValueError("pass both mesh and axis_name for expert parallelism, or neither")
-    router.validate(weights.gate_weight.shape[0])
+    experts = weights.gate_weight.shape[0]
+    router.validate(experts)
+    if not weights.holds_every_expert:
+      raise ValueError(f"Fp8MoE needs every expert of its router ({experts}); the weights hold experts "
+                       f"[{weights.first_expert}, {weights.first_expert + weights.num_experts}) (with a mesh, "
+                       "expert parallelism splits the full set itself)")
+    if weights.correction_bias is not None and tuple(weights.correction_bias.shape) != (experts,):
+      raise ValueError(f"correction_bias must have shape (E,) = ({experts},), got "
+                       f"{tuple(weights.correction_bias.shape)}")
     self.router = router
     self.block_size = tuple(weights.block_size)
     self.options = dict(implementation=implementation, quant_implementation=quant_implementation,

@@ -55,6 +55,8 @@ class DeepSeekV3Router:
     """logits (T, E), correction_bias (E,) -> (ids int32 (T, top_k), weights float32 (T, top_k))."""
     t, e = logits.shape
     self.validate(e)
+    if tuple(correction_bias.shape) != (e,):
+      raise ValueError(f"correction_bias must have shape (E,) = ({e},), got {tuple(correction_bias.shape)}")
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(t, self.n_group, e // self.n_group)

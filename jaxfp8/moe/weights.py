@@ -36,10 +36,15 @@ class MoeWeights:
   correction_bias: jax.Array | np.ndarray | None = None     # (E,) DeepSeek-V3's e_score_correction_bias
   shared_gate_up: Fp8LinearWeight | None = None             # (2I_s, H)
   shared_down: Fp8LinearWeight | None = None                # (H, I_s)
+  first_expert: int = 0   # the global id of w13_q[0]: a contiguous share [first, first + E) of the router's experts
 
   @property
   def num_experts(self) -> int:
     return self.w13_q.shape[0]
+
+  @property
+  def holds_every_expert(self) -> bool:
+    return self.first_expert == 0 and self.num_experts == self.gate_weight.shape[0]
 
 
 def stack_gate_up(gate: Fp8LinearWeight, up: Fp8LinearWeight, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -71,6 +76,9 @@ def load_hf_moe(path: str | os.PathLike | Sequence[str | os.PathLike], prefix: s
   if not found:
     raise ValueError(f"no block-FP8 experts {expert_prefix}<e>.{{{','.join(PROJECTIONS)}}} in {path!r}")
   indices = found if experts is None else [int(e) for e in experts]
+  if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
+    raise ValueError(f"experts must be a non-empty ascending run of consecutive ids (one device's share), got "
+                     f"{list(experts) if experts is not None else indices}")
   w13, w2 = [], []
   for e in indices:
     names = {proj: f"{expert_prefix}{e}.{proj}" for proj in PROJECTIONS}
@@ -91,17 +99,25 @@ def load_hf_moe(path: str | os.PathLike | Sequence[str | os.PathLike], prefix: s
     shared_gate_up, shared_down = Fp8LinearWeight(q, s, None, block), shared["down_proj"]
   bias = router.get(f"{prefix}.gate.e_score_correction_bias")
   gate_weight = router[f"{prefix}.gate.weight"]
-  if gate_weight.shape != (len(found), w13[0][0].shape[1]):
-    raise ValueError(f"{prefix}.gate.weight must have shape (E, H) = {(len(found), w13[0][0].shape[1])}, got "
-                     f"{gate_weight.shape}")
+  if gate_weight.dtype not in _checks.FLOAT_DTYPES:  # e.g. a router stored in FP8 beside its own scales
+    raise ValueError(f"{prefix}.gate.weight must be a bf16, f16 or f32 router, got dtype {gate_weight.dtype}")
+  hidden = w13[0][0].shape[1]
+  # (E, H) over every expert of the block; a checkpoint of one device's share holds fewer experts than that.
+  if gate_weight.ndim != 2 or gate_weight.shape[1] != hidden or gate_weight.shape[0] <= found[-1]:
+    raise ValueError(f"{prefix}.gate.weight must have shape (E, H) with H={hidden} and E above every expert id "
+                     f"(up to {found[-1]}), got {gate_weight.shape}")
+  if bias is not None and bias.shape != gate_weight.shape[:1]:
+    raise ValueError(f"{prefix}.gate.e_score_correction_bias must have shape (E,) = {gate_weight.shape[:1]}, got "
+                     f"{bias.shape}")
   # The router always covers every expert: routing is global, whichever experts this process holds.
   weights = MoeWeights(np.stack([q for q, _ in w13]), np.stack([s for _, s in w13]), np.stack([q for q, _ in w2]),
-                       np.stack([s for _, s in w2]), gate_weight, block, bias, shared_gate_up, shared_down)
+                       np.stack([s for _, s in w2]), gate_weight, block, bias, shared_gate_up, shared_down,
+                       first_expert=indices[0])
   if as_numpy:
     return weights
   put = lambda a: a if a is None or isinstance(a, Fp8LinearWeight) else jax.device_put(a)
-  return MoeWeights(**{f.name: put(getattr(weights, f.name)) if f.name != "block_size" else weights.block_size
-                       for f in dataclasses.fields(MoeWeights)})
+  return MoeWeights(**{f.name: put(getattr(weights, f.name)) if f.name not in ("block_size", "first_expert")
+                       else getattr(weights, f.name) for f in dataclasses.fields(MoeWeights)})
 
 
 def save_hf_moe(path: str | os.PathLike, prefix: str, weights: MoeWeights) -> None:
@@ -117,7 +133,7 @@ def save_hf_moe(path: str | os.PathLike, prefix: str, weights: MoeWeights) -> No
                      "blocks")
   linears = {}
   for e in range(weights.num_experts):
-    base = f"{prefix}.experts.{e}"
+    base = f"{prefix}.experts.{weights.first_expert + e}"  # the global ids, as the checkpoint numbered them
     linears[f"{base}.gate_proj"] = Fp8LinearWeight(w13_q[e, :half_q], w13_s[e, :half_s], None, block)
     linears[f"{base}.up_proj"] = Fp8LinearWeight(w13_q[e, half_q:], w13_s[e, half_s:], None, block)
     linears[f"{base}.down_proj"] = Fp8LinearWeight(np.asarray(weights.w2_q[e]), np.asarray(weights.w2_s[e]), None,
