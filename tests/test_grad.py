@@ -176,6 +176,20 @@ for backward in ("fp8", "bf16"):
     # Row: each device's dx slice is the unsharded slice exactly (same dy groups, same blocks); column: the float32
     # partial dx summed over the devices in another order.
     assert err_dx <= (0.0 if mode == "row" else 1e-5) and err_db <= 1e-6, (backward, mode, err_dx, err_db)
+# bf16 x with leading dimensions, no bias; the column output left sharded.
+x3 = jnp.asarray(rng.standard_normal((2, 3, k)), jnp.bfloat16)
+dy3 = jnp.asarray(rng.standard_normal((2, 3, n)), jnp.bfloat16)
+for backward in ("fp8", "bf16"):
+  want = jax.vjp(lambda x: jaxfp8.w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), backward=backward), x3)[1](dy3)[0]
+  for mode in ("column", "row"):
+    placed = linear.shard_linear_weights(w_q, w_s, mesh=mesh, axis_name="tp", parallel=mode)
+    fn = linear.column_parallel_linear if mode == "column" else linear.row_parallel_linear
+    par = lambda x: fn(x, placed[0], placed[1], (128, 128), mesh=mesh, axis_name="tp", backward=backward)
+    got = jax.jit(lambda x: jax.vjp(par, x)[1](dy3)[0])(x3)
+    assert got.shape == x3.shape and got.dtype == jnp.bfloat16, (got.shape, got.dtype)
+    err = ref.relative_error(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    print(f"bf16 x {backward} {mode} dx {err:.3g}")
+    assert err <= (0.0 if mode == "row" else 4e-3), (backward, mode, err)
 print("ok")
 """
 

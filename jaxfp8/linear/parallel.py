@@ -144,7 +144,9 @@ def _parallel_input_gradient(parallel: str, ndim: int, *, mesh, axis_name: str, 
     dy_spec, dx_spec = PartitionSpec(*lead, axis_name), PartitionSpec()
   else:
     dy_spec, dx_spec = PartitionSpec(), PartitionSpec(*lead, axis_name)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=(dy_spec,) + w_specs, out_specs=dx_spec, check_vma=False)
+  mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=(dy_spec,) + w_specs, out_specs=dx_spec, check_vma=False)
+  # dy comes as the caller's cotangent, sharded however it is: placed as the specs say (Explicit axes require it).
+  return lambda dy, w_q, w_s: mapped(*_mesh.with_specs((dy, w_q, w_s), mesh, (dy_spec,) + w_specs))
 
 
 def _parallel_linear(parallel: str, x, w_q, w_s, block_size, bias, *, mesh, axis_name, gather_output, out_dtype,
