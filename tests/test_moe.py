@@ -4,8 +4,8 @@ parallelism, the NNX block and its checkpoint form.
 On CPU: both routers against the float64 reference (ids exact wherever the choice is not a float32 near-tie, ties to
 the lower index), the layer against `reference.fp8_moe` for 0..300 tokens with empty experts and ids outside [0, E)
 (XLA, and the Mosaic kernels interpreted), leading dimensions, the errors, the transforms, `explain`, the CUDA
-lowering of the whole layer at DeepSeek-V3's expert shapes, expert parallelism on 8 simulated devices (bit-equal to
-one device), and `Fp8MoE` (Flax NNX) saved and loaded in the Hugging Face naming, shared experts included.
+lowering of the whole layer at DeepSeek-V3's expert shapes, expert parallelism on 8 simulated devices (equal to one
+device), and `Fp8MoE` (Flax NNX) saved and loaded in the Hugging Face naming, shared experts included.
 """
 
 from __future__ import annotations
@@ -334,6 +334,9 @@ sys.path.insert(0, sys.argv[2])
 import test_moe as t
 rng = np.random.default_rng(int(sys.argv[1]))
 mesh = jax.make_mesh((8,), ("ep",))
+# XLA's CPU dot sums in an order that depends on the row count (an exchange buffer's, not the routed rows'), so an h
+# may round one bf16 ulp apart and give another code: equal to far below §8's bound, not always bit for bit.
+SAME = 1e-3
 experts = tuple(map(jnp.asarray, t._experts(rng, e=16)))
 for tokens in (8, 64):
   x = jnp.asarray(rng.standard_normal((tokens, 256)), jnp.bfloat16)
@@ -344,8 +347,9 @@ for tokens in (8, 64):
   jitted = jax.jit(lambda *a: moe.expert_parallel_fp8_moe(*a, mesh=mesh, axis_name="ep"))(x, ids, weights, *experts)
   assert eager.sharding.spec[0] == "ep", eager.sharding  # split along the tokens, like x
   for got in (eager, jitted):
-    assert np.array_equal(np.asarray(got, np.float32), single), ref.relative_error(np.asarray(got, np.float32), single)
-  print(tokens, "bit-equal")
+    err = ref.relative_error(np.asarray(got, np.float32), single)
+    assert err <= SAME, err
+  print(tokens, "equal", err)
 # Every slot of every token to device 0's experts (0 and 1), ids repeated within a token: its buffers fill up.
 auto = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
 x = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
@@ -355,8 +359,8 @@ single = np.asarray(moe.fp8_moe(x, ids, weights, *experts), np.float32)
 for m in (mesh, auto):
   got = np.asarray(jax.jit(lambda *a: moe.expert_parallel_fp8_moe(*a, mesh=m, axis_name="ep"))(x, ids, weights,
                                                                                                *experts), np.float32)
-  assert np.array_equal(got, single), ref.relative_error(got, single)
-print("full buffers, Explicit and Auto axes: bit-equal")
+  assert ref.relative_error(got, single) <= SAME, ref.relative_error(got, single)
+print("full buffers, Explicit and Auto axes: equal")
 try:
   from jaxfp8.moe.nn import Fp8MoE
 except ImportError:  # flax is optional
@@ -367,8 +371,8 @@ if Fp8MoE is not None:
   x = jnp.asarray(rng.standard_normal((2, 16, 256)), jnp.bfloat16)
   one = np.asarray(Fp8MoE(weights, router)(x), np.float32)
   ep = np.asarray(Fp8MoE(weights, router, mesh=mesh, axis_name="ep")(x), np.float32)
-  assert np.array_equal(ep, one), ref.relative_error(ep, one)
-  print("Fp8MoE bit-equal")
+  assert ref.relative_error(ep, one) <= SAME, ref.relative_error(ep, one)
+  print("Fp8MoE equal")
 try:
   moe.expert_parallel_fp8_moe(jnp.zeros((12, 256), jnp.bfloat16), jnp.zeros((12, 2), jnp.int32),
                               jnp.zeros((12, 2), jnp.float32), *experts, mesh=mesh, axis_name="ep")
@@ -381,7 +385,7 @@ print("ok")
 
 
 def test_expert_parallel_equals_one_device(tmp_path):
-  """16 experts over 8 simulated devices, tokens split too: the result equals the single-device layer's bit for bit
+  """16 experts over 8 simulated devices, tokens split too: the result equals the single-device layer's (to 1e-3)
   (eager and under jit), every routed row delivered (no capacity limit: every slot to one device, ids repeated),
   ids outside [0, E) contributing nothing, on Explicit and Auto mesh axes; the NNX block with a mesh equals it
   without one."""

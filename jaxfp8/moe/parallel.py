@@ -70,7 +70,7 @@ def expert_parallel_fp8_moe(
   """`fp8_moe` with the experts split over mesh axis `axis_name` (E/P each, the weights sharded along their expert
   axis) and the tokens too (x (T, H), topk_ids and topk_weights (T, k) sharded along T; T and E multiples of P).
   topk_ids are global expert ids. Returns (T, H), sharded like x; equal to the single-device layer's result on the
-  same implementation (module docstring). Works eagerly and under `jax.jit`."""
+  same implementation up to the GEMMs' summation order (docs/CONTRACT.md §8). Works eagerly and under `jax.jit`."""
   block_size, lead = api.validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size)
   devices = _mesh.axis_size(mesh, axis_name)
   if len(lead) != 1:
