@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxfp8.gemm import xla as gemm_xla
 from jaxfp8.gemm.xla import fp8_values
 
 CONFIG_CLASS = None  # no kernel, nothing to configure
@@ -94,18 +95,8 @@ def masked_block_fp8_matmul_xla(a_q, b_q, a_s, b_s, masked_m, *, block_size, a_s
 
 # ---- the backend interface the planner asks -------------------------------------------------------------------------
 
-def config_class():
-  return None
-
-
-def unavailable(device, interpret: bool) -> str | None:
-  del device, interpret
-  return None  # runs wherever JAX does
-
-
-def unsupported(problem) -> str | None:
-  del problem
-  return None
+# No kernel, nothing it cannot run: the dense XLA backend's answers.
+config_class, unavailable, unsupported = gemm_xla.config_class, gemm_xla.unavailable, gemm_xla.unsupported
 
 
 def default_config_for(problem, device):
