@@ -23,9 +23,7 @@ The fp8 layer's output is checked against `jaxfp8.reference.fp8_moe` on sampled 
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +33,7 @@ from absl import app, flags
 from jaxfp8 import _platform, grouped, moe, quant
 from jaxfp8 import reference as ref
 from jaxfp8.moe import planner as moe_planner
-from jaxfp8.tools import results, timing
+from jaxfp8.tools import bench, results, timing
 
 BLOCK = (128, 128)
 F8 = jnp.float8_e4m3fn
@@ -147,18 +145,7 @@ def _pallas_dot(config):
 
 
 def _timer(on_gpu):
-  if on_gpu:
-    return timing.median_kernel_us
-
-  def wall(fn, arg_sets, *, iterations):
-    jax.block_until_ready(fn(*arg_sets[0]))
-    times = []
-    for i in range(iterations):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-      times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
-  return wall
+  return timing.median_kernel_us if on_gpu else bench.median_wall_us
 
 
 def _check(out, x, ids, weights, w13_q, w13_s, w2_q, w2_s, rng) -> float:
