@@ -104,7 +104,7 @@ def _fp8_ops(plan: moe_planner.MoePlan):
 
   def combine(y, order, ids, weights):
     t, k = weights.shape
-    slots = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(t, k, -1)
+    slots = moe_planner.unsort(y, order).reshape(t, k, -1)
     return moe_planner.combine(slots, weights, (ids >= 0) & (ids < plan.experts), jnp.bfloat16)
 
   return dict(sort=jax.jit(sort), quantize=jax.jit(quantize), permute=jax.jit(permute, static_argnums=3),
@@ -125,7 +125,7 @@ def _bf16_layer(dot):
     y = dot(act, w2, sizes).astype(jnp.float32)
     owned = jnp.arange(t * k) < sizes.sum()
     y = jnp.where(owned[:, None], y, 0.0)  # rows past the groups: ragged_dot leaves them zero; a kernel may not
-    slots = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(t, k, -1)
+    slots = moe_planner.unsort(y, order).reshape(t, k, -1)
     return moe_planner.combine(slots, weights, (ids >= 0) & (ids < experts), jnp.bfloat16)
   return layer
 

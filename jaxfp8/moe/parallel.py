@@ -56,7 +56,7 @@ def _per_device(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, *, plan: pl
   rows = jnp.arange(devices * capacity, dtype=jnp.int32)
   y = planner.experts_on_rows(codes, recv_scales.T if plan.column_major else recv_scales, rows, order, group_sizes,
                               w13_q, w13_s, w2_q, w2_s, plan)
-  y = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(devices, capacity, -1)
+  y = planner.unsort(y, order).reshape(devices, capacity, -1)
   back = exchange(y)  # back[d, p]: the result of the row this device put at slot p of device d's buffer
   y_slots = jnp.where(valid[:, None], back[send_at[0], jnp.minimum(pos, capacity - 1)], 0.0)
   return planner.combine(y_slots.reshape(t, k, -1), topk_weights, valid.reshape(t, k), x.dtype)

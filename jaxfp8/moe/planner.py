@@ -129,6 +129,11 @@ def sort_by_expert(topk_ids: jax.Array, experts: int) -> tuple[jax.Array, jax.Ar
   return order, group_sizes
 
 
+def unsort(y: jax.Array, order: jax.Array) -> jax.Array:
+  """The rows of y (in `order`'s expert order) back in slot order."""
+  return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
+
+
 def experts_on_rows(x_q, x_s, row_tokens, order, group_sizes, w13_q, w13_s, w2_q, w2_s, plan: MoePlan):
   """The expert MLPs on routed rows: row r (in `order`'s expert order) is token row_tokens[r] of the quantized
   tokens (x_q, x_s in the plan's scale layout). Returns y (R, H) float32, 0 for rows no expert owns."""
@@ -158,6 +163,6 @@ def forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan: MoePlan) 
   x_q, x_s = quant.planner.run(x[None], None, plan=plan.quant_x)
   row_tokens = jnp.arange(t * k, dtype=jnp.int32) // k
   y = experts_on_rows(x_q[0], x_s[0], row_tokens, order, group_sizes, w13_q, w13_s, w2_q, w2_s, plan)
-  y_slots = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(t, k, -1)
+  y_slots = unsort(y, order).reshape(t, k, -1)
   valid = (topk_ids >= 0) & (topk_ids < plan.experts)
   return combine(y_slots, topk_weights, valid, x.dtype)
