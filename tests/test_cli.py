@@ -277,14 +277,19 @@ def test_every_script_compiles_and_imports(tmp_path):
   for path in sorted((ROOT / "scripts").glob("*.sh")):
     proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert proc.returncode == 0, (path.name, proc.stderr)
-  # Importing runs nothing: every script's work is under `if __name__ == "__main__"`.
+  # Importing runs nothing: every script's work is under `if __name__ == "__main__"`. Each script is its own program,
+  # so the absl flags one defines on the global FLAGS are removed before the next is imported (two may share a name).
   code = "\n".join([
       "import importlib.util, sys",
+      "from absl import flags",
       "sys.path.insert(0, 'scripts')",
       "for path in sys.argv[1:]:",
+      "  before = set(flags.FLAGS)",
       "  spec = importlib.util.spec_from_file_location(path.rsplit('/', 1)[-1][:-3].replace('-', '_'), path)",
       "  module = importlib.util.module_from_spec(spec)",
       "  spec.loader.exec_module(module)",
+      "  for name in set(flags.FLAGS) - before:",
+      "    delattr(flags.FLAGS, name)",
       "print('imported', len(sys.argv) - 1)"])
   proc = subprocess.run([sys.executable, "-c", code, *(str(p.relative_to(ROOT)) for p in SCRIPTS)], cwd=ROOT,
                         capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
