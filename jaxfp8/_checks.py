@@ -93,3 +93,24 @@ def eps(value) -> float:
     raise ValueError(f"eps must be at least {MIN_EPS:.4g} (its scale eps / 448 must be at least 2**-116, where "
                      f"float32 subnormals, which some hardware flushes to zero, cannot change a code), got {value!r}")
   return float(value)
+
+
+def valid_rows(value, rows: int):
+  """The live-row count of a call of `rows` rows: None, a Python int in [0, rows], or an integer array of shape ()
+  (traced or not; clipped to [0, rows] where it is used, since a traced value cannot be checked). Returns None or an
+  int32 array of shape ()."""
+  if value is None:
+    return None
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"valid_rows must be an int or an integer scalar array, got {value!r}")
+  if isinstance(value, numbers.Integral):
+    if not 0 <= value <= rows:
+      raise ValueError(f"valid_rows must be in [0, {rows}] (the rows of the call), got {value}")
+    return jnp.asarray(int(value), jnp.int32)
+  dtype = getattr(value, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"valid_rows must be an int or an integer scalar array, got {type(value).__name__}"
+                    f"{'' if dtype is None else ' of dtype ' + str(dtype)}")
+  if tuple(value.shape) != ():
+    raise ValueError(f"valid_rows must be a scalar (shape ()), got shape {tuple(value.shape)}")
+  return jnp.asarray(value).astype(jnp.int32)

@@ -209,7 +209,9 @@ class Fp8Linear(nnx.Module):
     """The (K, N) float kernel nnx.Linear would hold: dequantize(w_q, w_s)^T."""
     return weights.dequantize_weight_blockwise(self.w_q[...], self.w_s[...], self.block_size, dtype=dtype).T
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, *, valid_rows: jax.Array | int | None = None) -> jax.Array:
+    """y = x W^T (+ bias) through the FP8 linear; valid_rows: the live rows of x (`w8a8_block_fp8_linear`'s), for
+    the unsharded layer."""
     if not hasattr(x, "dtype"):
       x = jnp.asarray(x)
     # nnx.Linear's rule (flax.nnx.nn.dtypes.promote_dtype): compute in `dtype`, else in the promotion of the input's
@@ -222,12 +224,15 @@ class Fp8Linear(nnx.Module):
     args = (x, self.w_q[...], self.w_s[...], self.block_size, None if self.bias is None else self.bias[...])
     options = dict(out_dtype=dtype, implementation=self.implementation,
                    quant_implementation=self.quant_implementation, interpret=self.interpret, backward=self.backward)
+    if valid_rows is not None and self.parallel is not None:
+      raise ValueError(f"valid_rows is not supported by the {self.parallel}-parallel layer (got valid_rows="
+                       f"{valid_rows!r}): call it with all rows")
     if self.parallel == "column":
       return linear.column_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
     if self.parallel == "row":
       return linear.row_parallel_linear(*args, mesh=self.mesh, axis_name=self.axis_name, **options)
     w_q_t = None if self.w_q_t is None else self.w_q_t[...]
-    return linear.w8a8_block_fp8_linear(*args, w_q_t=w_q_t, **options)
+    return linear.w8a8_block_fp8_linear(*args, w_q_t=w_q_t, valid_rows=valid_rows, **options)
 
 
 def is_router(path: tuple) -> bool:

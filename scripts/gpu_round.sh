@@ -29,6 +29,9 @@
 #                 scripts/bench_moe.py: the MoE layer op by op (route, sort, quantize, permute, gate_up, silu_quant,
 #                 down, combine) and whole, beside the same layer in bf16 on lax.ragged_dot and JAX's Pallas ragged
 #                 dot, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 1, 64, 4096 tokens (MOE_BENCH_ARGS). Not yet run
+#   valid-rows    valid_rows on the GPU: tests/test_gemm.py -k valid_rows (the masked kernel at M = 13, 130, 4096, a
+#                 two-CTA persistent grid included), then scripts/bench_valid_rows.py (a bucket with valid_rows live
+#                 against a call of the live rows; VALID_ROWS_ARGS). Not yet run
 #   notebooks     every notebook's code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
 #   ncu-gemm      Nsight Compute, every section, on one call of the Mosaic GEMM and one of cuBLASLt's per-tensor FP8
 #                 GEMM at M=4096 N=24576 K=7168 (scripts/ncu_gemm.py; NCU_ARGS adds ncu options, NCU_SHAPE script
@@ -129,6 +132,10 @@ for phase in "${phases[@]}"; do
                --out="$out/grouped_gemm_h200.json" ;;
     moe) run tests_moe python3 -m pytest tests/test_moe.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
          run bench_moe python3 scripts/bench_moe.py "$out/moe_h200.json" ${MOE_BENCH_ARGS:-} ;;
+    valid-rows) run tests_valid_rows python3 -m pytest tests/test_gemm.py -k valid_rows "${pytest_args[@]}" \
+                  --junitxml="$out/tests_valid_rows.junit.xml"
+                run bench_valid_rows python3 scripts/bench_valid_rows.py "$out/valid_rows_h200.json" \
+                  ${VALID_ROWS_ARGS:-} ;;
     notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb notebooks/moe.ipynb ;;
     tune) cp jaxfp8/gemm/configs/triton_gemm_h200.json "$out/triton_gemm_h200.json"
           run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;

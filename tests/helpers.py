@@ -96,3 +96,11 @@ def assert_matches_reference(q, s, ref_q, ref_s, *, exact_codes: bool = True, sc
     assert dist.max(initial=0) <= 1, f"{context}: codes differ by up to {dist.max()} fp8 steps"
     allowed = math.ceil(1e-4 * dist.size)
     assert np.count_nonzero(dist) <= allowed, f"{context}: {np.count_nonzero(dist)} codes off by one step (> {allowed})"
+
+
+def mosaic_interpret_config():
+  """A Mosaic GEMM config that interprets quickly on CPU: 64x128 tiles, one consumer warpgroup, and one persistent
+  CTA looping over every tile (two CTAs of the grouped kernel's persistent loop hung the interpreter at M=13 on a
+  2-CPU machine: WORKSPACE.md)."""
+  from jaxfp8.kernels.gemm_mosaic import MosaicGemmConfig
+  return MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1, grid_size=1)

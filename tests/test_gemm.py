@@ -258,6 +258,109 @@ def test_out_rows_is_validated(out_rows):
                           out_rows=out_rows, implementation="xla")
 
 
+# ---- valid_rows: a traced live-row count ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("implementation, m, rows, column_major, bias", [
+    ("xla", 150, 150, False, True),
+    ("xla", 37, 64, True, False),
+    ("triton", 70, 70, True, True),
+    ("mosaic", 150, 160, True, True),   # padding rows past out_rows, a bias (the kernel writes float32)
+    ("mosaic", 130, 130, False, False),
+])
+def test_valid_rows_zeroes_the_rows_past_it_with_one_compile(rng, implementation, m, rows, column_major, bias):
+  """One jitted call for every count: live rows match the reference, the rest are exactly 0 although their codes and
+  scales are NaN (poison a skipped tile would leak; the bias must not reach them either)."""
+  if implementation == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("jaxfp8.kernels.gemm_mosaic not importable")
+  n, k = (256, 384) if implementation == "mosaic" else (200, 300)
+  config = {"triton": _cfg(16, 64, 128), "mosaic": helpers.mosaic_interpret_config()}.get(implementation)
+  problem = make_problem(rng, m, n, k, (128, 128), column_major=column_major, bias=bias)
+  expected = problem.reference()
+  a_q, a_s = _padded_with_poison(problem, rows) if rows > m else (problem.a_q, problem.a_s_arg)
+  a_q, a_s = np.array(a_q), np.array(a_s)
+  traces = []
+
+  @jax.jit
+  def f(a_q, a_s, valid_rows):
+    traces.append(1)
+    return w8a8_block_fp8_matmul(a_q, problem.b_q, a_s, problem.b_s, (128, 128), a_s_column_major=column_major,
+                                 bias=problem.bias, out_dtype=F32, implementation=implementation, config=config,
+                                 out_rows=m if rows > m else None, valid_rows=valid_rows, interpret=True)
+
+  # Two warm-up calls: the process's first lowering of a Pallas backend may register JAX config options, which
+  # changes the tracing context and retraces the next call once.
+  f(a_q, a_s, jnp.int32(m))
+  f(a_q, a_s, jnp.int32(m))
+  traces.clear()
+  for valid in sorted({0, 1, int(rng.integers(2, m)), 64, m}):
+    codes, scales = a_q.copy(), a_s.copy()
+    codes[valid:m] = np.float32(np.nan).astype(ref.FP8)  # rows past the count are poison too
+    if column_major:
+      scales[:, valid:m] = np.nan
+    else:
+      scales[valid:m] = np.nan
+    out = np.asarray(f(codes, scales, jnp.int32(valid)))
+    assert out.shape == (m, n)
+    assert (out[valid:] == 0).all(), f"valid_rows={valid}: a row past it is not 0"
+    if valid:
+      assert not np.isnan(out[:valid]).any(), f"valid_rows={valid}: NaN in a live row"
+      err = ref.relative_error(out[:valid], expected[:valid])
+      assert err <= TOLERANCE[jnp.dtype(F32)], (valid, err)
+  assert not traces, "a new count recompiled"
+
+
+@pytest.mark.parametrize("valid", [-5, 1000])
+def test_traced_valid_rows_outside_the_rows_are_clipped(rng, valid):
+  problem = make_problem(rng, 20, 200, 300, (128, 128))
+  f = jax.jit(lambda v: problem.call(out_dtype=F32, implementation="xla", valid_rows=v))
+  out = np.asarray(f(jnp.int32(valid)))
+  expected = np.asarray(problem.call(out_dtype=F32, implementation="xla"))
+  np.testing.assert_array_equal(out, expected if valid > 0 else np.zeros_like(expected))
+
+
+@pytest.mark.parametrize("valid_rows, error, match", [
+    (-1, ValueError, r"valid_rows must be in \[0, 5\].*got -1"),
+    (6, ValueError, r"valid_rows must be in \[0, 5\].*got 6"),
+    (True, TypeError, "valid_rows must be an int or an integer scalar array, got True"),
+    (2.0, TypeError, "valid_rows must be an int or an integer scalar array, got float"),
+    (np.float32(2), TypeError, "of dtype float32"),
+    (np.array([2], np.int32), ValueError, r"valid_rows must be a scalar \(shape \(\)\), got shape \(1,\)"),
+])
+def test_valid_rows_is_validated(valid_rows, error, match):
+  args = _valid_args()
+  with pytest.raises(error, match=match):
+    w8a8_block_fp8_matmul(args.pop("a_q"), args.pop("b_q"), args.pop("a_s"), args.pop("b_s"), args.pop("block_size"),
+                          valid_rows=valid_rows, implementation="xla")
+
+
+def test_valid_rows_under_vmap_counts_each_entry_s_own_rows(rng):
+  problem = make_problem(rng, 12, 200, 300, (128, 128), bias=True)
+  a_q = np.stack([problem.a_q, problem.a_q[::-1]])
+  a_s = np.stack([problem.a_s, problem.a_s[::-1]])
+  counts = jnp.array([5, 12], jnp.int32)
+  out = jax.vmap(lambda q, s, v: w8a8_block_fp8_matmul(q, problem.b_q, s, problem.b_s, (128, 128), bias=problem.bias,
+                                                       out_dtype=F32, implementation="xla", valid_rows=v))(
+      a_q, a_s, counts)
+  for b, count in enumerate((5, 12)):
+    alone = w8a8_block_fp8_matmul(a_q[b], problem.b_q, a_s[b], problem.b_s, (128, 128), bias=problem.bias,
+                                  out_dtype=F32, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out[b, :count]), np.asarray(alone)[:count])
+    assert (np.asarray(out[b, count:]) == 0).all()
+
+
+def test_plan_says_whether_dead_row_tiles_are_skipped():
+  a_q, b_q = jax.ShapeDtypeStruct((512, 1024), ref.FP8), jax.ShapeDtypeStruct((2048, 1024), ref.FP8)
+  hopper = helpers.fake_device((9, 0))
+  if not helpers.MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("jaxfp8.kernels.gemm_mosaic not importable")
+  mosaic_plan = gemm.plan(gemm.problem(512, 2048, 1024, (128, 128), masked=True), device=hopper, interpret=False)
+  assert mosaic_plan.implementation == "mosaic" and mosaic_plan.skips_dead_rows
+  assert "row tiles past it are skipped" in str(mosaic_plan) and "masked grouped kernel" in str(mosaic_plan)
+  xla_plan = gemm.plan_for(a_q, b_q, (128, 128), valid_rows=True, implementation="xla")
+  assert not xla_plan.skips_dead_rows and "every row is computed" in str(xla_plan)
+  assert "valid_rows" not in str(gemm.plan_for(a_q, b_q, (128, 128), implementation="xla"))
+
+
 def test_usable_inside_jit(rng):
   problem = make_problem(rng, 5, 200, 300, (128, 128), column_major=True, bias=True)
   f = jax.jit(functools.partial(w8a8_block_fp8_matmul, block_size=(128, 128), a_s_column_major=True,
@@ -612,6 +715,28 @@ def test_gpu_out_rows_of_padded_decode_buffers(model, name, implementation):
     assert not np.isnan(out.astype(np.float32)).any()
     err = ref.relative_error(out, expected[:m])
     assert err <= TOLERANCE[jnp.dtype(BF16)], (model, name, m, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("m", [13, 130, 4096])
+def test_gpu_valid_rows_on_the_masked_kernel(m, rng):
+  """valid_rows on the Mosaic GEMM (the masked grouped kernel, one group): the default config and a persistent grid
+  of two CTAs (which hung the CPU interpreter at M=13 with live and zero rows in one row tile), every count kind."""
+  if not _platform.is_hopper():
+    pytest.skip("the Mosaic kernel needs a Hopper GPU")
+  from jaxfp8.kernels.gemm_mosaic import MosaicGemmConfig
+  problem = make_problem(rng, m, 1536, 7168, (128, 128), column_major=True, bias=True)
+  expected = problem.reference()
+  two_ctas = MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1, grid_size=2)
+  for config in (None, two_ctas):
+    f = jax.jit(lambda v: problem.call(out_dtype=F32, implementation="mosaic", config=config, valid_rows=v))
+    for valid in sorted({0, 1, 5, m // 2 + 3, m - 1, m}):
+      out = np.asarray(f(jnp.int32(valid)))
+      assert (out[valid:] == 0).all(), (config, valid)
+      if valid:
+        err = ref.relative_error(out[:valid], expected[:valid])
+        assert err <= TOLERANCE[jnp.dtype(F32)], (config, valid, err)
 
 
 @pytest.mark.gpu

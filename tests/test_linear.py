@@ -125,6 +125,93 @@ def test_mosaic_interpret_matches_reference(rng, x_shape, bias_dtype, out_dtype)
   assert_close(out, x, w_q, w_s, (128, 128), np.asarray(b.astype(F32)), out_dtype)
 
 
+# ---- valid_rows: a traced live-row count ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("implementation, x_shape", [("xla", (3, 50, 256)), ("triton", (70, 256)),
+                                                     ("mosaic", (2, 65, 256)), ("mosaic", (13, 256))])
+def test_valid_rows_computes_the_live_rows_with_one_compile(rng, implementation, x_shape):
+  """A linear jitted once for a bucket of rows: every count gives the live rows of the whole call (the same plan,
+  so bit for bit) and zeros past them, whatever x holds there (NaN here)."""
+  if implementation == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("jaxfp8.kernels.gemm_mosaic not importable")
+  n, k = 256, x_shape[-1]
+  w_q, w_s = make_weight(rng, n, k)
+  bias = jnp.asarray(rng.standard_normal(n), F32)
+  x = make_x(rng, x_shape, BF16)
+  m = int(np.prod(x_shape[:-1]))
+  config = helpers.mosaic_interpret_config() if implementation == "mosaic" else None
+  kwargs = dict(implementation=implementation, config=config, out_dtype=F32, interpret=True)
+  traces = []
+
+  @jax.jit
+  def f(x, valid_rows):
+    traces.append(1)
+    return w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), bias, valid_rows=valid_rows, **kwargs)
+
+  whole = np.asarray(f(x, jnp.int32(m)))  # the plan of every count below (the GEMM's plan takes valid_rows)
+  f(x, jnp.int32(m))  # (a first Pallas lowering may register JAX config options: one more trace)
+  traces.clear()
+  assert_close(whole.reshape(*x_shape[:-1], n), x, w_q, w_s, (128, 128), np.asarray(bias), F32)
+  for valid in sorted({0, 1, int(rng.integers(2, m)), m - 1}):
+    poisoned = x.reshape(m, k).at[valid:].set(jnp.nan).reshape(x_shape)
+    out = np.asarray(f(poisoned, jnp.int32(valid))).reshape(m, n)
+    np.testing.assert_array_equal(bits(out[:valid]), bits(whole.reshape(m, n)[:valid]), err_msg=f"{valid}")
+    assert (out[valid:] == 0).all(), f"valid_rows={valid}: a row past it is not 0"
+  assert not traces, "a new count recompiled"
+
+
+@pytest.mark.parametrize("backward", ["fp8", "bf16"])
+def test_valid_rows_gradient_is_the_live_rows_gradient(rng, backward):
+  """dx of the live rows is dx of the linear on those rows alone; past them dx is 0, and dbias sums the live rows."""
+  n, k, m, valid = 384, 256, 24, 9
+  w_q, w_s = make_weight(rng, n, k)
+  bias = jnp.asarray(rng.standard_normal(n), F32)
+  x = make_x(rng, (m, k), F32)
+  dy = jnp.asarray(rng.standard_normal((m, n)), F32)
+  kwargs = dict(implementation="xla", backward=backward)
+
+  def loss(x, bias, v):
+    return jnp.sum(w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), bias, valid_rows=v, **kwargs) * dy[:x.shape[0]])
+
+  dx, dbias = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, bias, jnp.int32(valid))
+  live_dx, live_dbias = jax.grad(
+      lambda x, bias: jnp.sum(w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), bias, **kwargs) * dy[:valid]),
+      argnums=(0, 1))(x[:valid], bias)
+  # Equal up to float32 summation order (XLA's CPU dot and reduction order depend on the row count).
+  assert ref.relative_error(np.asarray(dx[:valid]), np.asarray(live_dx)) <= 1e-5
+  assert (np.asarray(dx[valid:]) == 0).all()
+  assert ref.relative_error(np.asarray(dbias), np.asarray(live_dbias)) <= 1e-5
+
+
+def test_valid_rows_eager_call_and_nnx_layer(rng):
+  n, k, m, valid = 256, 256, 30, 11
+  w_q, w_s = make_weight(rng, n, k)
+  x = make_x(rng, (m, k), BF16)
+  whole = np.asarray(w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), implementation="xla"))
+  eager = np.asarray(w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), implementation="xla", valid_rows=valid))
+  np.testing.assert_array_equal(bits(eager[:valid]), bits(whole[:valid]))
+  assert (eager[valid:] == 0).all()
+  nnx = pytest.importorskip("flax.nnx")
+  del nnx
+  from jaxfp8.nn import Fp8Linear
+  layer = Fp8Linear.from_weights(jnp.asarray(w_q), jnp.asarray(w_s), block_size=(128, 128), implementation="xla")
+  out = np.asarray(jax.jit(lambda x, v: layer(x, valid_rows=v))(x, jnp.int32(valid)))
+  np.testing.assert_array_equal(bits(out[:valid]), bits(whole[:valid]))
+  assert (out[valid:] == 0).all()
+
+
+@pytest.mark.parametrize("valid_rows, error, match", [
+    (31, ValueError, r"valid_rows must be in \[0, 30\].*got 31"),
+    (True, TypeError, "valid_rows must be an int"),
+    (jnp.zeros((2,), jnp.int32), ValueError, r"valid_rows must be a scalar"),
+    (jnp.float32(3), TypeError, "of dtype float32"),
+])
+def test_valid_rows_is_validated(rng, valid_rows, error, match):
+  w_q, w_s = make_weight(rng, 128, 128)
+  with pytest.raises(error, match=match):
+    w8a8_block_fp8_linear(jnp.ones((3, 10, 128), BF16), w_q, w_s, (128, 128), valid_rows=valid_rows)
+
+
 def test_out_dtype_and_bias_dtypes(rng):
   w_q, w_s = make_weight(rng, 200, 256)
   x = make_x(rng, (4, 256), BF16)
@@ -373,6 +460,25 @@ def test_lowered_mosaic_program_is_two_kernels_back_to_back(m, n, k):
   assert set(ops) <= _MOSAIC_AROUND, set(ops) - _MOSAIC_AROUND
   assert "slice" not in ops, (plan, ops)
   assert m >= 64 or plan.padded_rows == 64, plan
+
+
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
+@pytest.mark.parametrize("m, n, k", [(40, 1536, 7168), (4096, 24576, 7168), (300, 7168, 2048)])
+def test_lowered_valid_rows_program_is_the_masked_grouped_kernel(m, n, k):
+  """With a traced valid_rows the Mosaic linear lowers for the H200 to the quantizer (masked), the work-item table
+  and the grouped kernel; the bias goes in after the kernel's float32 output."""
+  from jax.experimental.pallas import triton as plt
+  args = [_shape(m, k), _weight_shape(n, k), jax.ShapeDtypeStruct((ref.ceil_div(n, 128), ref.ceil_div(k, 128)), F32),
+          jax.ShapeDtypeStruct((n,), F32), jax.ShapeDtypeStruct((), jnp.int32)]
+  f = lambda x, w_q, w_s, b, v: w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), b, implementation="mosaic",
+                                                     valid_rows=v)
+  with _platform.abstract_h200():
+    plan = linear.explain(args[0], args[1], (128, 128), implementation="mosaic", valid_rows=True)
+    text = jax.export.export(
+        jax.jit(f), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plt.CUSTOM_CALL_TARGET_NAME)])(*args).mlir_module()
+  assert plan.masked and plan.gemm.skips_dead_rows and "masked grouped kernel" in plan.gemm.config_reason, str(plan)
+  assert text.count("mosaic_gpu") >= 2, "the quantizer's and the GEMM's kernels"
 
 
 @pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
@@ -655,3 +761,30 @@ def test_bench_linear_plumbing(monkeypatch, tmp_path):
   assert "meets_decode_target" not in rows[(70, "linear_vs_gemm")]
   assert json.loads(out.read_text())["rows"] and (tmp_path / "linear.md").read_text().count("| small |") == 2
   assert len(bench_linear.default_shapes()) == 15
+
+
+def test_bench_valid_rows_plumbing(monkeypatch):
+  """scripts/bench_valid_rows.py on CPU with a stand-in timer: each contender runs, the live rows are checked and
+  the dead rows must be 0."""
+  import importlib.util
+  import pathlib
+  from jaxfp8.tools import timing
+  path = pathlib.Path(__file__).parents[1] / "scripts" / "bench_valid_rows.py"
+  spec = importlib.util.spec_from_file_location("bench_valid_rows", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  calls = []
+
+  def fake_median(fn, arg_sets, *, iterations=30):
+    calls.append(jax.block_until_ready(fn(*arg_sets[0])).shape)
+    return 3.0
+
+  monkeypatch.setattr(timing, "median_kernel_us", fake_median)
+  try:
+    rows = bench.measure("tiny", 256, 256, [(256, 70)], 1, log=lambda *_: None)
+  finally:
+    for name in ("shapes", "cases", "iterations"):  # the script's absl flags, as a second import would define them
+      delattr(bench.FLAGS, name)
+  assert calls == [(256, 256), (256, 256), (128, 256)]
+  assert rows[0]["valid_vs_exact"] == 1.0 and rows[0]["rel_err"] < 0.05
+  assert "| tiny | 256 | 70 |" in bench.markdown_table(dict(command="c", device="cpu", jax_version="0", rows=rows))

@@ -40,6 +40,7 @@ def w8a8_block_fp8_matmul(
     implementation: str | None = None,
     config=None,
     out_rows: int | None = None,
+    valid_rows: jax.Array | int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
   """C = (a_q * a_s) @ (b_q * b_s)^T with block scales, accumulated in float32 (docs/CONTRACT.md §2).
@@ -61,6 +62,10 @@ def w8a8_block_fp8_matmul(
       the zero rows of the quantizer's `row_alignment`, so that padded buffers go in without a slice. The Mosaic
       kernel reads them in whole 64-row tiles, which at M < 64 is faster than having TMA fill the missing rows
       (quantize with row_alignment=64 for that; `jaxfp8.linear` does).
+    valid_rows: the live rows, an int32 scalar that may be traced (one compiled call serves every count): the rows
+      from valid_rows on come out 0, whatever a_q, a_s and the bias hold (a traced count is clipped to [0, M]; a
+      Python int must lie there). The Mosaic GEMM skips their row tiles; the others compute every row, then zero
+      them (`plan_for(...)` says which).
     interpret: run Pallas kernels in interpret mode; None means True when there is no GPU.
 
   Returns:
@@ -74,13 +79,13 @@ def w8a8_block_fp8_matmul(
   m, k = a_q.shape
   n = b_q.shape[0]
   out_rows = None if out_rows is None or out_rows == m else int(out_rows)
+  valid_rows = _checks.valid_rows(valid_rows, out_rows or m)
 
   p = planner.problem(out_rows or m, n, k, block_size, rows=m, out_dtype=out_dtype, a_s_column_major=a_s_column_major,
-                      has_bias=bias is not None)
+                      has_bias=bias is not None, masked=valid_rows is not None)
   plan = planner.plan(p, implementation=implementation, config=config, interpret=interpret)
-  if bias is None:
-    return transformable(plan, config, has_bias=False)(a_q, b_q, a_s, b_s)
-  return transformable(plan, config, has_bias=True)(a_q, b_q, a_s, b_s, bias)
+  extra = tuple(a for a in (bias, valid_rows) if a is not None)
+  return transformable(plan, config, has_bias=bias is not None)(a_q, b_q, a_s, b_s, *extra)
 
 
 _OP = "jaxfp8.w8a8_block_fp8_matmul"
@@ -89,28 +94,45 @@ _NO_DERIVATIVE = ("it multiplies quantized codes. Differentiate through jaxfp8.w
 
 
 def transformable(plan: planner.GemmPlan, config, *, has_bias: bool):
-  """The GEMM of `plan` as a function of its arrays that JAX's transforms treat the same on every implementation: no
+  """The GEMM of `plan` as a function of its arrays (a_q, b_q, a_s, b_s, then the bias if `has_bias`, then
+  valid_rows if the plan's problem is masked) that JAX's transforms treat the same on every implementation: no
   derivative, and `jax.vmap` over the activations folded into their rows (one launch on the same weight)."""
-  def run(a_q, b_q, a_s, b_s, *bias):
-    return planner.run(a_q, b_q, a_s, b_s, bias[0] if bias else None, plan=plan)
+  masked = plan.problem.masked
 
-  def vmap_rule(axis_size, in_batched, a_q, b_q, a_s, b_s, *bias):
-    a_batched, b_batched, sa_batched, sb_batched, *bias_batched = in_batched
-    if b_batched or sb_batched or any(bias_batched):
+  def split(extra):
+    """(bias, valid_rows) from the arrays after b_s."""
+    extra = list(extra)
+    return extra.pop(0) if has_bias else None, extra.pop(0) if masked else None
+
+  def run(a_q, b_q, a_s, b_s, *extra):
+    return planner.run(a_q, b_q, a_s, b_s, *split(extra), plan=plan)
+
+  def vmap_rule(axis_size, in_batched, a_q, b_q, a_s, b_s, *extra):
+    a_batched, b_batched, sa_batched, sb_batched, *extra_batched = in_batched
+    bias_batched, valid_batched = split(extra_batched)
+    if b_batched or sb_batched or bias_batched:
       transforms.refuse_vmap(_OP, "the weight (b_q, b_s) or the bias",
                              "map over the activations only (their rows are folded into one call), or call once per "
                              "weight")
+    bias, valid_rows = split(extra)
     p = plan.problem
     a_q = a_q if a_batched else jnp.broadcast_to(a_q, (axis_size, *a_q.shape))
     a_s = a_s if sa_batched else jnp.broadcast_to(a_s, (axis_size, *a_s.shape))
     # Row-major (rows, G) scales per batch entry, whatever the layout, so that the rows fold with a_q's.
     a_s = jnp.swapaxes(a_s[:, :, :p.rows], 1, 2) if p.a_s_column_major else a_s
-    folded = dataclasses.replace(p, m=axis_size * p.rows, rows=axis_size * p.rows, a_s_column_major=False)
+    # Each batch entry's live rows are a prefix of its own rows, not of the folded ones: the folded call computes
+    # every row and the rows past each entry's count are zeroed after it.
+    folded = dataclasses.replace(p, m=axis_size * p.rows, rows=axis_size * p.rows, a_s_column_major=False,
+                                 masked=False)
     folded_plan = planner.plan(folded, implementation=plan.implementation, config=config,
                                interpret=plan.interpret, reason=plan.reason)
-    out = planner.run(a_q.reshape(-1, p.k), b_q, a_s.reshape(axis_size * p.rows, -1), b_s,
-                      bias[0] if bias else None, plan=folded_plan)
-    return out.reshape(axis_size, p.rows, p.n)[:, :p.m], True
+    out = planner.run(a_q.reshape(-1, p.k), b_q, a_s.reshape(axis_size * p.rows, -1), b_s, bias,
+                      plan=folded_plan)
+    out = out.reshape(axis_size, p.rows, p.n)[:, :p.m]
+    if masked:
+      counts = valid_rows if valid_batched else jnp.broadcast_to(valid_rows, (axis_size,))
+      out = jax.vmap(planner.live_rows_only)(out, counts)
+    return out, True
 
   return transforms.not_differentiable(transforms.batched(run, vmap_rule), _OP, _NO_DERIVATIVE)
 
@@ -156,12 +178,13 @@ def _validate(a_q, b_q, a_s, b_s, bias, block_size, a_s_column_major, out_dtype,
 
 
 def plan_for(a_q, b_q, block_size, *, out_rows: int | None = None, out_dtype=jnp.bfloat16, a_s_column_major=False,
-             has_bias: bool = False, implementation: str | None = None, config=None,
+             has_bias: bool = False, valid_rows: bool = False, implementation: str | None = None, config=None,
              interpret: bool | None = None) -> planner.GemmPlan:
-  """The plan `w8a8_block_fp8_matmul` runs for operands of these shapes (arrays or `jax.ShapeDtypeStruct`s)."""
+  """The plan `w8a8_block_fp8_matmul` runs for operands of these shapes (arrays or `jax.ShapeDtypeStruct`s);
+  valid_rows: whether the call passes a `valid_rows`."""
   m, k = a_q.shape
   p = planner.problem(out_rows or m, b_q.shape[0], k, _checks.block_size(block_size), rows=m,
                       out_dtype=_checks.float_dtype("out_dtype", out_dtype), a_s_column_major=a_s_column_major,
-                      has_bias=has_bias)
+                      has_bias=has_bias, masked=_checks.flag("valid_rows", valid_rows))
   return planner.plan(p, implementation=implementation, config=config,
                       interpret=_checks.interpret(interpret))

@@ -192,13 +192,34 @@ def row_alignment(m: int) -> tuple[int, str]:
   return tile, f"M={m} padded to a multiple of {tile}, the rows of the tiled TMA view of a_q (no copy of a_q)"
 
 
+# With valid_rows, the call runs on the grouped kernel's masked layout with one group (the mechanism the masked MoE
+# GEMM uses): its work items are the live row tiles, then the zero ones, so the tiles past valid_rows load nothing.
+SKIPS_DEAD_ROWS = True
+
+
+def _masked_problem(problem):
+  """The one-group masked grouped problem a dense call with valid_rows runs as."""
+  from jaxfp8.grouped import planner as grouped_planner  # the grouped package builds on this one
+  kernel_dtype = jnp.float32 if problem.has_bias else problem.out_dtype  # see launch_masked
+  return grouped_planner.problem("masked", 1, problem.m, problem.n, problem.k, problem.block_size,
+                                 out_dtype=kernel_dtype, a_s_column_major=True)
+
+
 def default_config_for(problem, device: _platform.Device):
+  if problem.masked:
+    from jaxfp8.grouped import mosaic as grouped_mosaic
+    config, why = grouped_mosaic.default_config_for(_masked_problem(problem), device)
+    return config, f"valid_rows: the masked grouped kernel with one group, {why}"
   config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms)
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
   return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs"
 
 
 def config_problem(problem, config) -> str | None:
+  if problem.masked:
+    from jaxfp8.grouped import mosaic as grouped_mosaic
+    why = grouped_mosaic.config_problem(_masked_problem(problem), config)
+    return why and f"with valid_rows the masked grouped kernel runs: {why}"
   return "; ".join(_kernel().config_problems(config, problem.n, problem.out_dtype)) or None
 
 
@@ -218,3 +239,21 @@ def launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret: bool, device: _
   return _kernel().block_fp8_matmul(
       a_q, b_q, _column_major_scales(a_s, problem), b_s, out_dtype=problem.out_dtype, bias=bias, config=config,
       num_sms=device.num_sms, out_rows=problem.m if problem.m != problem.rows else None, **interpret_kwargs)
+
+
+def launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, problem, config, interpret: bool, device: _platform.Device):
+  """The first problem.m rows of C with the rows from valid_rows on zero, on the grouped kernel's masked layout with
+  one group: only the live row tiles are computed. The grouped kernel has no bias: with one, it writes float32 and
+  the bias is added here before the one cast (docs/CONTRACT.md §2)."""
+  K = importlib.import_module("jaxfp8.kernels.grouped_gemm_mosaic")
+  m = problem.m
+  live = jnp.clip(valid_rows, 0, m).reshape(1)
+  items = K.work_items(K.masked_segments(live, m), config.tile_m, K.masked_num_items(1, m, config.tile_m))
+  kernel_dtype = jnp.float32 if bias is not None else problem.out_dtype
+  out = K.grouped_block_fp8_matmul(
+      a_q[None], b_q[None], _column_major_scales(a_s, problem)[None], b_s[None], items, out_rows=m,
+      out_dtype=kernel_dtype, config=config, num_sms=device.num_sms, interpret=interpret)[0]
+  if bias is None:
+    return out
+  rows_live = jnp.arange(m, dtype=jnp.int32)[:, None] < live[0]
+  return jnp.where(rows_live, out + bias[None, :], 0.0).astype(problem.out_dtype)

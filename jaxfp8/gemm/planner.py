@@ -37,6 +37,7 @@ class GemmProblem:
   out_dtype: str
   a_s_column_major: bool = False
   has_bias: bool = False
+  masked: bool = False          # a traced `valid_rows` comes with the call: rows past it are 0
 
   @property
   def empty(self) -> bool:
@@ -44,9 +45,9 @@ class GemmProblem:
 
 
 def problem(m: int, n: int, k: int, block_size, *, rows: int | None = None, out_dtype=jnp.bfloat16,
-            a_s_column_major: bool = False, has_bias: bool = False) -> GemmProblem:
+            a_s_column_major: bool = False, has_bias: bool = False, masked: bool = False) -> GemmProblem:
   return GemmProblem(m, m if rows is None else rows, n, k, tuple(block_size), jnp.dtype(out_dtype).name,
-                     bool(a_s_column_major), bool(has_bias))
+                     bool(a_s_column_major), bool(has_bias), bool(masked))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +61,19 @@ class GemmPlan:
   config_reason: str = ""       # why this config
   device: _platform.Device | None = None
 
+  @property
+  def skips_dead_rows(self) -> bool:
+    """Whether the kernel skips the row tiles past `valid_rows` (else every row is computed, then zeroed)."""
+    return self.problem.masked and BACKENDS[self.implementation].SKIPS_DEAD_ROWS
+
   def __str__(self) -> str:
     mode = " (interpreted)" if self.interpret and self.implementation != "xla" else ""
     config = f"; config {self.config} ({self.config_reason})" if self.config is not None else ""
-    return f"{self.implementation} GEMM{mode}: {self.reason}{config}"
+    rows = ""
+    if self.problem.masked:
+      rows = ("; valid_rows: the row tiles past it are skipped and written as zeros" if self.skips_dead_rows else
+              "; valid_rows: every row is computed, the rows past it are then set to zero")
+    return f"{self.implementation} GEMM{mode}: {self.reason}{config}{rows}"
 
 
 def _default(p: GemmProblem, device: _platform.Device, interpret: bool) -> tuple[str, str]:
@@ -135,9 +145,16 @@ def plan(p: GemmProblem, *, implementation: str | None = None, config=None, inte
   return GemmPlan(p, implementation, config, interpret, reason or why, config_reason, device)
 
 
+def live_rows_only(out: jax.Array, valid_rows: jax.Array) -> jax.Array:
+  """out (m, N) with the rows from `valid_rows` on (clipped to [0, m]) set to zero."""
+  live = jnp.arange(out.shape[0], dtype=jnp.int32) < jnp.clip(valid_rows, 0, out.shape[0])
+  return jnp.where(live[:, None], out, jnp.zeros((), out.dtype))
+
+
 @functools.partial(jax.jit, static_argnames=("plan",))
-def run(a_q, b_q, a_s, b_s, bias, *, plan: GemmPlan) -> jax.Array:
-  """Executes `plan`: C (m, N) in the plan's out_dtype."""
+def run(a_q, b_q, a_s, b_s, bias, valid_rows=None, *, plan: GemmPlan) -> jax.Array:
+  """Executes `plan`: C (m, N) in the plan's out_dtype; with `valid_rows` (the plan's problem is `masked`), the rows
+  from valid_rows on are 0."""
   p = plan.problem
   if bias is not None:
     bias = bias.astype(jnp.float32)
@@ -146,6 +163,11 @@ def run(a_q, b_q, a_s, b_s, bias, *, plan: GemmPlan) -> jax.Array:
     out = jnp.zeros((p.m, p.n), jnp.float32)
     if bias is not None:
       out = out + bias[None, :]
-    return out.astype(p.out_dtype)
-  return BACKENDS[plan.implementation].launch(a_q, b_q, a_s, b_s, bias, p, plan.config, plan.interpret,
-                                              plan.device or _platform.device())
+    out = out.astype(p.out_dtype)
+  elif plan.skips_dead_rows:
+    return BACKENDS[plan.implementation].launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, p, plan.config,
+                                                       plan.interpret, plan.device or _platform.device())
+  else:
+    out = BACKENDS[plan.implementation].launch(a_q, b_q, a_s, b_s, bias, p, plan.config, plan.interpret,
+                                               plan.device or _platform.device())
+  return out if valid_rows is None else live_rows_only(out, valid_rows)

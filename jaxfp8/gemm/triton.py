@@ -134,6 +134,10 @@ def entry_config(entry: Mapping[str, Any] | None, block_size: tuple[int, int]) -
 
 # ---- the backend interface the planner asks -------------------------------------------------------------------------
 
+# With valid_rows, the Triton kernel computes every row; the planner zeroes the rows past it.
+SKIPS_DEAD_ROWS = False
+
+
 def config_class():
   return TritonGemmConfig
 

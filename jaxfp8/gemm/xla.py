@@ -91,6 +91,10 @@ def block_fp8_matmul_xla(
 
 # ---- the backend interface the planner asks -------------------------------------------------------------------------
 
+# With valid_rows, XLA computes every row; the planner zeroes the rows past it.
+SKIPS_DEAD_ROWS = False
+
+
 def config_class():
   return None
 

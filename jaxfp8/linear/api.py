@@ -122,12 +122,12 @@ def is_traced(*arrays) -> bool:
 def explain(
     x, w_q, block_size: tuple[int, int] | None = None, *, out_dtype=None, implementation: str | None = None,
     quant_implementation: str | None = None, row_alignment: int | None = None, config=None,
-    interpret: bool | None = None,
+    interpret: bool | None = None, valid_rows: bool = False,
 ) -> planner.LinearPlan:
   """Which path `w8a8_block_fp8_linear` takes for these arguments here, and why (traced calls; eager calls use the
   plan of their row bucket). x and w_q may be arrays or `jax.ShapeDtypeStruct`s, or w_q an `Fp8LinearWeight`. The
   plan names both kernels and their configs, and why each was chosen (`print(plan)`). Raises what the call would
-  raise for an implementation that cannot run."""
+  raise for an implementation that cannot run. valid_rows: whether the call passes a `valid_rows`."""
   if isinstance(w_q, Fp8LinearWeight):
     w_q, block_size, has_bias = w_q.w_q, w_q.block_size, w_q.bias is not None
   else:
@@ -140,7 +140,7 @@ def explain(
   block_size, out_dtype = validate(x, w_q, w_s, None, block_size, out_dtype)
   options = planner.LinearOptions(implementation, quant_implementation, row_alignment, config, interpret)
   return planner.plan(math.prod(x.shape[:-1]), w_q.shape[0], w_q.shape[1], block_size, out_dtype, x.dtype, options,
-                      has_bias=has_bias)
+                      has_bias=has_bias, masked=_checks.flag("valid_rows", valid_rows))
 
 
 def w8a8_block_fp8_linear(
@@ -158,6 +158,7 @@ def w8a8_block_fp8_linear(
     interpret: bool | None = None,
     backward: str = "fp8",
     w_q_t: jax.Array | None = None,
+    valid_rows: jax.Array | int | None = None,
 ) -> jax.Array:
   """y = quantize(x) @ (w_q * w_s)^T + bias, with block-FP8 activations and weights (docs/CONTRACT.md §3).
 
@@ -180,6 +181,11 @@ def w8a8_block_fp8_linear(
       their cotangents are zeros.
     w_q_t: the transposed codes the "fp8" backward multiplies by, (K, round_up(N, gn)) (`Fp8LinearWeight.
       with_transpose`); None: transposed in every backward pass.
+    valid_rows: the live rows among the M = prod(x.shape[:-1]) rows of x (in row-major order), an int32 scalar
+      that may be traced: a model jitted once for a bucket of rows computes only the tokens it has. Rows from
+      valid_rows on are neither quantized nor multiplied (on the Mosaic GEMM; the other GEMMs compute every row) and
+      come out 0, whatever x holds there; their gradient is 0 and they add nothing to the bias's. A traced count is
+      clipped to [0, M]; a Python int must lie there.
 
   Returns:
     (..., N) in out_dtype (x.dtype by default).
@@ -195,12 +201,14 @@ def w8a8_block_fp8_linear(
   options = planner.LinearOptions(implementation, quant_implementation, row_alignment, config, interpret, backward)
   n, k = w_q.shape
   has_bias = bias is not None
+  valid_rows = _checks.valid_rows(valid_rows, math.prod(x.shape[:-1]))
+  masked = valid_rows is not None
 
   def plan_for(m: int) -> planner.LinearPlan:
-    return planner.plan(m, n, k, block_size, out_dtype, x.dtype, options, has_bias=has_bias)
+    return planner.plan(m, n, k, block_size, out_dtype, x.dtype, options, has_bias=has_bias, masked=masked)
 
-  if is_traced(x, w_q, w_s, bias, w_q_t):
-    return planner.apply(x, w_q, w_s, bias, plan_for(math.prod(x.shape[:-1])), w_q_t)
+  if is_traced(x, w_q, w_s, bias, w_q_t, valid_rows):
+    return planner.apply(x, w_q, w_s, bias, plan_for(math.prod(x.shape[:-1])), w_q_t, valid_rows)
   if not isinstance(x, (np.ndarray, jax.Array)):
     x = np.asarray(x)
   # Plan (and refuse) before padding anything; the executable is planned for its bucket.
@@ -208,7 +216,7 @@ def w8a8_block_fp8_linear(
 
   def make_body(bucket: int):
     plan = plan_for(bucket)
-    return eager.named(lambda x2, wq, ws, b: planner.apply(x2, wq, ws, b, plan), "jaxfp8_linear_bucket")
+    return eager.named(lambda x2, wq, ws, b, v: planner.apply(x2, wq, ws, b, plan, None, v), "jaxfp8_linear_bucket")
 
-  key = (block_size, out_dtype.name, options)
-  return eager.run_eager("linear", key, make_body, x, (w_q, w_s, bias), n, out_dtype)
+  key = (block_size, out_dtype.name, options, masked)
+  return eager.run_eager("linear", key, make_body, x, (w_q, w_s, bias, valid_rows), n, out_dtype)

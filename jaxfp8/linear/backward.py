@@ -49,8 +49,9 @@ def _bf16_dx(dy2, w_q, w_s, block_size):
   return lax.dot(dy2.astype(compute), w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype):
-  """dy2 (M, N) @ W through the block-FP8 linear: dy as the activations, W^T as the weight."""
+def _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype, valid_rows=None):
+  """dy2 (M, N) @ W through the block-FP8 linear: dy as the activations, W^T as the weight (with valid_rows, only
+  the live rows)."""
   from jaxfp8.linear import planner  # the backward's own plan is a linear's plan
   gn, gk = block_size
   n, k = w_q.shape
@@ -62,58 +63,72 @@ def _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype):
   backward_options = planner.LinearOptions(
       implementation=options.implementation, quant_implementation=options.quant_implementation,
       interpret=options.interpret)
-  plan = planner.plan(dy2.shape[0], k, n_pad, (gk, gn), out_dtype, dy2.dtype, backward_options)
-  return planner.forward(dy2, w_q_t, w_s.T, None, plan)
+  plan = planner.plan(dy2.shape[0], k, n_pad, (gk, gn), out_dtype, dy2.dtype, backward_options,
+                      masked=valid_rows is not None)
+  return planner.forward(dy2, w_q_t, w_s.T, None, plan, valid_rows)
 
 
-def input_gradient(dy, x_shape, x_dtype, w_q, w_s, w_q_t, block_size, options, mode, out_dtype=None):
-  """dx (x_shape, in `out_dtype`, x's dtype by default) = dy @ W in the backward `mode` ("fp8" or "bf16")."""
+def _live(dy2, valid_rows):
+  """dy2 with the rows from valid_rows on set to zero (the forward's output there is a constant 0)."""
+  if valid_rows is None:
+    return dy2
+  live = jnp.arange(dy2.shape[0], dtype=jnp.int32) < jnp.clip(valid_rows, 0, dy2.shape[0])
+  return jnp.where(live[:, None], dy2, jnp.zeros((), dy2.dtype))
+
+
+def input_gradient(dy, x_shape, x_dtype, w_q, w_s, w_q_t, block_size, options, mode, out_dtype=None,
+                   valid_rows=None):
+  """dx (x_shape, in `out_dtype`, x's dtype by default) = dy @ W in the backward `mode` ("fp8" or "bf16"); with
+  valid_rows, the rows past it are 0."""
   out_dtype = x_dtype if out_dtype is None else out_dtype
-  dy2 = dy.reshape(-1, dy.shape[-1])
+  dy2 = _live(dy.reshape(-1, dy.shape[-1]), valid_rows)
   if mode == "bf16":
     dx = _bf16_dx(dy2, w_q, w_s, block_size)
   else:
-    dx = _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype)
+    dx = _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype, valid_rows)
   return dx.astype(out_dtype).reshape(x_shape)
 
 
-def bias_gradient(dy, bias_dtype):
-  """dbias: dy summed over every row in float32, cast to the bias's dtype."""
-  return jnp.sum(dy.reshape(-1, dy.shape[-1]).astype(jnp.float32), axis=0).astype(bias_dtype)
+def bias_gradient(dy, bias_dtype, valid_rows=None):
+  """dbias: dy summed over every (live) row in float32, cast to the bias's dtype."""
+  return jnp.sum(_live(dy.reshape(-1, dy.shape[-1]), valid_rows).astype(jnp.float32), axis=0).astype(bias_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def linear(x, w_q, w_s, bias, w_q_t, plan, forward, static):
-  """`forward(x, w_q, w_s, bias, plan)` with the backward above; `static` = (x's shape, x's dtype, bias dtype)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def linear(x, w_q, w_s, bias, w_q_t, valid_rows, plan, forward, static):
+  """`forward(x, w_q, w_s, bias, plan[, valid_rows])` with the backward above; `static` = (x's shape, x's dtype,
+  bias dtype). valid_rows: None, or the masked plan's traced live-row count."""
   del w_q_t, static
-  return forward(x, w_q, w_s, bias, plan)
+  return forward(x, w_q, w_s, bias, plan, valid_rows)
 
 
 SECOND_ORDER = ("jaxfp8.w8a8_block_fp8_linear's gradient",
                  "higher-order derivatives of the FP8 linear are not supported (its forward and backward quantize)")
 
 
-def _linear_fwd(x, w_q, w_s, bias, w_q_t, plan, forward, static):
+def _linear_fwd(x, w_q, w_s, bias, w_q_t, valid_rows, plan, forward, static):
   del static
   # Differentiated only when a derivative of the gradient is asked for: refused with that reason.
-  y = transforms.not_differentiable(lambda *args: forward(*args, plan), *SECOND_ORDER)(x, w_q, w_s, bias)
-  return y, (w_q, w_s, w_q_t)
+  y = transforms.not_differentiable(lambda *args: forward(*args[:4], plan, args[4]), *SECOND_ORDER)(
+      x, w_q, w_s, bias, valid_rows)
+  return y, (w_q, w_s, w_q_t, valid_rows)
 
 
 def _linear_bwd(plan, forward, static, residuals, dy):
   del forward
   x_shape, x_dtype, bias_dtype = static
-  w_q, w_s, w_q_t = residuals
+  w_q, w_s, w_q_t, valid_rows = residuals
   mode = plan.options.backward
 
   def grads(dy):
-    dx = input_gradient(dy, x_shape, x_dtype, w_q, w_s, w_q_t, plan.block_size, plan.options, mode)
-    return dx, None if bias_dtype is None else bias_gradient(dy, bias_dtype)
+    dx = input_gradient(dy, x_shape, x_dtype, w_q, w_s, w_q_t, plan.block_size, plan.options, mode,
+                        valid_rows=valid_rows)
+    return dx, None if bias_dtype is None else bias_gradient(dy, bias_dtype, valid_rows)
 
   grads = transforms.not_differentiable(grads, *SECOND_ORDER)
   dx, dbias = grads(dy)
-  # The FP8 weights are frozen: zero cotangents for w_q, w_s and w_q_t.
-  return dx, None, None, dbias, None
+  # The FP8 weights are frozen: zero cotangents for w_q, w_s and w_q_t; valid_rows is an integer count.
+  return dx, None, None, dbias, None, None
 
 
 linear.defvjp(_linear_fwd, _linear_bwd)

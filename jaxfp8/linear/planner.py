@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxfp8 import _checks, _platform, gemm, quant
 from jaxfp8.linear import backward
@@ -61,6 +62,11 @@ class LinearPlan:
   options: LinearOptions = LinearOptions()
 
   @property
+  def masked(self) -> bool:
+    """Whether the call takes a traced `valid_rows` (rows past it are not quantized or multiplied and come out 0)."""
+    return self.gemm.problem.masked
+
+  @property
   def implementation(self) -> str:
     return self.gemm.implementation
 
@@ -106,6 +112,9 @@ class LinearPlan:
     rows = (f"M={self.m} padded to {self.padded_rows} rows by the quantizer, the GEMM computes {self.m}"
             if self.padded_rows != self.m else f"M={self.m}, no padding")
     layout = "column-major" if self.scale_layout == "col" else "row-major"
+    if self.masked:
+      rows += (", valid_rows live (the GEMM skips the row tiles past it)" if self.gemm.skips_dead_rows else
+               ", valid_rows live (the GEMM computes every row, then zeroes those past it)")
     return (f"{self.implementation} GEMM + {self.quant_implementation} quantizer{mode}; {rows}; {layout} scales; "
             f"N={self.n}, K={self.k}, block_size={self.block_size}, out {self.out_dtype}")
 
@@ -123,15 +132,15 @@ def _quant_family(gemm_implementation: str, device: _platform.Device, interpret:
 
 
 def plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, x_dtype, options: LinearOptions,
-         has_bias: bool = False, device: _platform.Device | None = None) -> LinearPlan:
+         has_bias: bool = False, device: _platform.Device | None = None, masked: bool = False) -> LinearPlan:
   """The plans of a linear call of M rows (M = 0 plans as M = 1: nothing runs, but `explain` still answers), for
-  `device` (default: the device programs are built for now)."""
+  `device` (default: the device programs are built for now); `masked`: the call passes a traced `valid_rows`."""
   device = device or _platform.device()
   interpret = _platform.resolve_interpret(options.interpret)
   out_dtype = jnp.dtype(out_dtype)
   live = max(m, 1)
   implementation, reason = gemm.planner.choose(
-      gemm.problem(live, n, k, block_size, out_dtype=out_dtype, has_bias=has_bias),
+      gemm.problem(live, n, k, block_size, out_dtype=out_dtype, has_bias=has_bias, masked=masked),
       implementation=options.implementation, config=options.config, interpret=interpret, device=device)
   if options.row_alignment is not None:
     alignment, row_reason = options.row_alignment, f"row_alignment={options.row_alignment} was asked for"
@@ -141,7 +150,7 @@ def plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, x_dtype
   column_major = implementation != "xla"  # the kernels read column-major scales; XLA needs no transpose
   gemm_plan = gemm.plan(
       gemm.problem(m, n, k, block_size, rows=rows, out_dtype=out_dtype, a_s_column_major=column_major,
-                   has_bias=has_bias),
+                   has_bias=has_bias, masked=masked),
       implementation=implementation, config=options.config, interpret=interpret, device=device, reason=reason)
   if options.quant_implementation is None:
     quant_implementation, quant_reason = _quant_family(implementation, device, interpret)
@@ -156,18 +165,23 @@ def plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, x_dtype
   return LinearPlan(m, n, k, tuple(block_size), out_dtype.name, alignment, row_reason, quant_plan, gemm_plan, options)
 
 
-def forward(x, w_q, w_s, bias, plan: LinearPlan):
+def forward(x, w_q, w_s, bias, plan: LinearPlan, valid_rows=None):
   """Quantize (into the GEMM's buffers, padded by the quantizer itself), GEMM, (..., N). Traceable; checks nothing.
-  Under `jax.vmap` each op folds the mapped axis into its rows (`quant.transformable`, `gemm.transformable`)."""
+  Under `jax.vmap` each op folds the mapped axis into its rows (`quant.transformable`, `gemm.transformable`).
+  valid_rows (a masked plan): the quantizer writes pad rows past it and the GEMM returns 0 there."""
   lead = tuple(x.shape[:-1])
-  q, s = quant.transformable(plan.quant, None, masked=False)(
-      jnp.reshape(x, (1, math.prod(lead), x.shape[-1])), None)
-  args = (q, w_q, s, w_s) + (() if bias is None else (bias,))
+  x3 = jnp.reshape(x, (1, math.prod(lead), x.shape[-1]))
+  if plan.masked:
+    q, s = quant.transformable(plan.quant, None, masked=True)(x3, jnp.reshape(valid_rows, (1,)))
+    q, s = lax.squeeze(q, (0,)), lax.squeeze(s, (0,))
+  else:
+    q, s = quant.transformable(plan.quant, None, masked=False)(x3, None)
+  args = (q, w_q, s, w_s) + (() if bias is None else (bias,)) + ((valid_rows,) if plan.masked else ())
   out = gemm.transformable(plan.gemm, plan.options.config, has_bias=bias is not None)(*args)
   return out.reshape(*lead, plan.n)
 
 
-def apply(x, w_q, w_s, bias, plan: LinearPlan, w_q_t=None):
+def apply(x, w_q, w_s, bias, plan: LinearPlan, w_q_t=None, valid_rows=None):
   """`forward` with the linear's gradient (`backward`): what a traced call of the linear runs."""
   static = (tuple(x.shape), jnp.dtype(x.dtype), None if bias is None else jnp.dtype(bias.dtype))
-  return backward.linear(x, w_q, w_s, bias, w_q_t, plan, forward, static)
+  return backward.linear(x, w_q, w_s, bias, w_q_t, valid_rows, plan, forward, static)
