@@ -99,8 +99,9 @@ def assert_matches_reference(q, s, ref_q, ref_s, *, exact_codes: bool = True, sc
 
 
 def mosaic_interpret_config():
-  """A Mosaic GEMM config that interprets quickly on CPU: 64x128 tiles, one consumer warpgroup, and one persistent
-  CTA looping over every tile (two CTAs of the grouped kernel's persistent loop hung the interpreter at M=13 on a
-  2-CPU machine: WORKSPACE.md)."""
+  """A Mosaic GEMM config that interprets reliably on CPU: 64x128 tiles, one consumer warpgroup, one CTA per tile.
+  The grouped kernel's persistent loop (with valid_rows, its work items mix live, zero and empty tiles) hangs the
+  Mosaic GPU interpreter now and then on a 2-CPU machine, one CTA or two (WORKSPACE.md); one CTA per tile did not in
+  120 calls."""
   from jaxfp8.kernels.gemm_mosaic import MosaicGemmConfig
-  return MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1, grid_size=1)
+  return MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1, persistent=False)

@@ -534,9 +534,13 @@ def test_eager_m_1_to_300_compiles_one_executable_per_bucket(rng):
   info = linear.cache_info()
   assert len(linear_compiles) == len(buckets) == info.misses == info.executables, (linear_compiles, info)
   assert info.hits == 300 - len(buckets) and info.buckets == buckets
-  # What else compiled is the row pad / slice glue around the executable: at most one of each per distinct M.
+  # What else compiled is the row pad / slice glue around the executable: on a GPU at most one of each per distinct
+  # M; on CPU none (the host pads and slices arrays that live in its memory).
   glue = [name for name in compiled if "jaxfp8_linear_bucket" not in name]
-  assert len(glue) <= 2 * 300 and all("rows_" in name for name in glue), sorted(set(glue))
+  if jax.default_backend() == "cpu":
+    assert not glue, sorted(set(glue))
+  else:
+    assert len(glue) <= 2 * 300 and all("rows_" in name for name in glue), sorted(set(glue))
   for m in (1, 3, 100, 257, 300):
     jitted = jax.jit(lambda x: w8a8_block_fp8_linear(x, w_q, w_s, (128, 128)))(xs[m - 1])
     np.testing.assert_array_equal(bits(outs[m]), bits(jitted), err_msg=f"M={m}")
@@ -552,7 +556,8 @@ def test_numpy_inputs_are_padded_on_the_host(rng):
       out = w8a8_block_fp8_linear(x_host[:m], w_q, w_s, (128, 128))
       assert out.shape == (m, 64)
   assert compiled.count("jit(jaxfp8_linear_bucket)") == 7, compiled  # buckets 1, 2, 4, ..., 64
-  assert compiled.count("jit(_rows_from_bucket_jit)") == 40 - 6 and len(compiled) == 7 + 34, compiled
+  slices = 0 if jax.default_backend() == "cpu" else 40 - 6  # (CPU outputs are sliced on the host)
+  assert compiled.count("jit(_rows_from_bucket_jit)") == slices and len(compiled) == 7 + slices, compiled
 
 
 def test_cache_clear_drops_the_glue_too(rng):
@@ -564,7 +569,8 @@ def test_cache_clear_drops_the_glue_too(rng):
   linear.cache_clear()
   with count_compilations() as compiled:
     w8a8_block_fp8_linear(x_host, w_q, w_s, (128, 128))
-  assert sorted(compiled) == ["jit(_rows_from_bucket_jit)", "jit(jaxfp8_linear_bucket)"], compiled
+  glue = [] if jax.default_backend() == "cpu" else ["jit(_rows_from_bucket_jit)"]
+  assert sorted(compiled) == sorted(glue + ["jit(jaxfp8_linear_bucket)"]), compiled
 
 
 def test_outer_jit_adds_no_compilations(rng):
