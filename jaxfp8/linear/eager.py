@@ -133,7 +133,9 @@ def _rows_to_bucket(x, rows: int):
   device = _host_device(x)
   if isinstance(x, np.ndarray) or device is not None:
     x2 = np.asarray(x).reshape(-1, x.shape[-1])
-    return jax.device_put(np.pad(x2, ((0, rows - x2.shape[0]), (0, 0))), device)
+    padded = np.zeros((rows, x2.shape[1]), x2.dtype)
+    padded[:x2.shape[0]] = x2
+    return jax.device_put(padded, device)
   return _rows_to_bucket_jit(x, rows=rows)
 
 

@@ -8,6 +8,7 @@ scales in the GEMM's layout), and `apply` runs both plans without checking anyth
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -134,9 +135,14 @@ def _quant_family(gemm_implementation: str, device: _platform.Device, interpret:
 def plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, x_dtype, options: LinearOptions,
          has_bias: bool = False, device: _platform.Device | None = None, masked: bool = False) -> LinearPlan:
   """The plans of a linear call of M rows (M = 0 plans as M = 1: nothing runs, but `explain` still answers), for
-  `device` (default: the device programs are built for now); `masked`: the call passes a traced `valid_rows`."""
-  device = device or _platform.device()
-  interpret = _platform.resolve_interpret(options.interpret)
+  `device` (default: the device programs are built for now); `masked`: the call passes a traced `valid_rows`.
+  Plans are cached by all of these (a plan is a pure function of them): eager calls plan on every call."""
+  return _plan(m, n, k, tuple(block_size), jnp.dtype(out_dtype), jnp.dtype(x_dtype), options, has_bias,
+               device or _platform.device(), masked, _platform.resolve_interpret(options.interpret))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m, n, k, block_size, out_dtype, x_dtype, options, has_bias, device, masked, interpret) -> LinearPlan:
   out_dtype = jnp.dtype(out_dtype)
   live = max(m, 1)
   implementation, reason = gemm.planner.choose(
