@@ -560,6 +560,25 @@ def test_numpy_inputs_are_padded_on_the_host(rng):
   assert compiled.count("jit(_rows_from_bucket_jit)") == slices and len(compiled) == 7 + slices, compiled
 
 
+@pytest.mark.skipif(ON_GPU, reason="the host pad and slice serve arrays on a CPU device")
+def test_cpu_row_counts_compile_their_glue_from_the_second_call(rng):
+  """A row count's first eager call pads and slices on the host (no compilation); its second compiles the pad and
+  the slice once (a compiled copy dispatches faster than a host copy and transfer); later calls compile nothing.
+  Every call returns the same bits."""
+  w_q, w_s = (jnp.asarray(a) for a in make_weight(rng, 64, 128))
+  x = jax.device_put(np.asarray(make_x(rng, (2, 7, 128), F32)))  # 14 rows, bucket 16, leading dimensions
+  linear.cache_clear()
+  outs, compiled = [], []
+  for _ in range(3):
+    with count_compilations() as names:
+      outs.append(np.asarray(w8a8_block_fp8_linear(x, w_q, w_s, (128, 128))))
+    compiled.append(sorted(names))
+  assert compiled == [["jit(jaxfp8_linear_bucket)"], ["jit(_rows_from_bucket_jit)", "jit(_rows_to_bucket_jit)"], []]
+  assert outs[0].shape == (2, 7, 64)
+  for out in outs[1:]:
+    np.testing.assert_array_equal(bits(out), bits(outs[0]))
+
+
 def test_cache_clear_drops_the_glue_too(rng):
   # The compile counts above hold only if cache_clear also drops the row slice glue an earlier test compiled for the
   # same shapes (under pytest-xdist a worker's earlier tests vary: this once failed CI with 33 slices instead of 34).

@@ -3,11 +3,13 @@ process-wide, thread-safe cache (`cache_info()`, `cache_clear()`).
 
 The pad of x to its bucket and the slice of the output back to M rows happen outside that executable. XLA compiles
 every program for fixed shapes, so on a GPU they are two small XLA copies, each compiled once per distinct input
-shape (none when M is a bucket and x is 2-D). Arrays on one CPU device, and NumPy inputs, are padded and sliced on
-the host instead (the host is their memory: no transfer over a bus), so a new row count compiles nothing there: on
-a 2-CPU machine, M = 1..300 in warm buckets (512x256 weight) went from 582 compilations and a 68-76 ms median first
-call per new M to none and 1.3-1.7 ms; a repeated call costs about the same as before (M=8: 440-490 vs 440-600 us;
-a jitted call 260-310 us).
+shape (none when M is a bucket and x is 2-D). On one CPU device the host's memory is the device's, so the first
+call of a row count pads and slices on the host and compiles nothing; its glue is compiled from its second call on,
+since a host copy and `device_put` cost about 100 us where a compiled pad or slice dispatches in about 10. NumPy
+inputs are always padded on the host. `scripts/eager_row_counts.py` on a 2-CPU machine (JAX 0.12.0.1, 512x256
+weight, M = 1..300 once each into warm buckets): 582 compilations -> 0, median first call of a new M 70-79 ms ->
+1.3-1.7 ms; a repeated call of M=5 517 -> 366 us and of M=8 471 -> 356 us (plans are cached too), where a jitted
+call takes 210-270 us.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def cache_clear() -> None:
   _CACHE.clear()
   _rows_to_bucket_jit.clear_cache()
   _rows_from_bucket_jit.clear_cache()
+  _SEEN_GLUE.clear()
 
 
 def _signature(a):
@@ -126,12 +129,23 @@ def _host_device(a):
   return device if device.platform == "cpu" else None
 
 
+_SEEN_GLUE: set = set()  # (direction, shape, dtype, target) of glue a CPU array has already needed once
+
+
+def _first_sighting(key) -> bool:
+  if key in _SEEN_GLUE:
+    return False
+  _SEEN_GLUE.add(key)
+  return True
+
+
 def _rows_to_bucket(x, rows: int):
   """x (..., K) as (rows, K) with zero rows appended."""
   if x.ndim == 2 and x.shape[0] == rows and not isinstance(x, np.ndarray):
     return x
   device = _host_device(x)
-  if isinstance(x, np.ndarray) or device is not None:
+  if isinstance(x, np.ndarray) or (device is not None and
+                                   _first_sighting(("to", tuple(x.shape), jnp.dtype(x.dtype).name, rows))):
     x2 = np.asarray(x).reshape(-1, x.shape[-1])
     padded = np.zeros((rows, x2.shape[1]), x2.dtype)
     padded[:x2.shape[0]] = x2
@@ -142,7 +156,8 @@ def _rows_to_bucket(x, rows: int):
 def _rows_from_bucket(out, lead: tuple[int, ...]):
   if len(lead) == 1 and out.shape[0] == lead[0]:
     return out
-  if (device := _host_device(out)) is not None:
+  device = _host_device(out)
+  if device is not None and _first_sighting(("from", tuple(out.shape), jnp.dtype(out.dtype).name, lead)):
     return jax.device_put(np.asarray(out)[:math.prod(lead)].reshape(*lead, out.shape[-1]), device)
   return _rows_from_bucket_jit(out, lead=lead)
 
