@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxfp8 import _checks
 from jaxfp8 import _transforms as transforms
-from jaxfp8.gemm import planner
+from jaxfp8.gemm import planner, xla
 
 OUT_DTYPES = _checks.FLOAT_DTYPES
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -131,7 +131,7 @@ def transformable(plan: planner.GemmPlan, config, *, has_bias: bool):
     out = out.reshape(axis_size, p.rows, p.n)[:, :p.m]
     if masked:
       counts = valid_rows if valid_batched else jnp.broadcast_to(valid_rows, (axis_size,))
-      out = jax.vmap(planner.live_rows_only)(out, counts)
+      out = jax.vmap(xla.live_rows_only)(out, counts)
     return out, True
 
   return transforms.not_differentiable(transforms.batched(run, vmap_rule), _OP, _NO_DERIVATIVE)

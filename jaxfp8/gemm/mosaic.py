@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform
+from jaxfp8.gemm.xla import live_rows_only
 
 if TYPE_CHECKING:
   from jaxfp8.kernels.gemm_mosaic import MosaicGemmConfig
@@ -247,13 +248,12 @@ def launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, problem, config, interpr
   the bias is added here before the one cast (docs/CONTRACT.md §2)."""
   K = importlib.import_module("jaxfp8.kernels.grouped_gemm_mosaic")
   m = problem.m
-  live = jnp.clip(valid_rows, 0, m).reshape(1)
-  items = K.work_items(K.masked_segments(live, m), config.tile_m, K.masked_num_items(1, m, config.tile_m))
-  kernel_dtype = jnp.float32 if bias is not None else problem.out_dtype
+  # masked_segments clips the count to [0, m].
+  items = K.work_items(K.masked_segments(valid_rows.reshape(1), m), config.tile_m,
+                       K.masked_num_items(1, m, config.tile_m))
   out = K.grouped_block_fp8_matmul(
       a_q[None], b_q[None], _column_major_scales(a_s, problem)[None], b_s[None], items, out_rows=m,
-      out_dtype=kernel_dtype, config=config, num_sms=device.num_sms, interpret=interpret)[0]
+      out_dtype=_masked_problem(problem).out_dtype, config=config, num_sms=device.num_sms, interpret=interpret)[0]
   if bias is None:
     return out
-  rows_live = jnp.arange(m, dtype=jnp.int32)[:, None] < live[0]
-  return jnp.where(rows_live, out + bias[None, :], 0.0).astype(problem.out_dtype)
+  return live_rows_only(out + bias[None, :], valid_rows).astype(problem.out_dtype)

@@ -145,12 +145,6 @@ def plan(p: GemmProblem, *, implementation: str | None = None, config=None, inte
   return GemmPlan(p, implementation, config, interpret, reason or why, config_reason, device)
 
 
-def live_rows_only(out: jax.Array, valid_rows: jax.Array) -> jax.Array:
-  """out (m, N) with the rows from `valid_rows` on (clipped to [0, m]) set to zero."""
-  live = jnp.arange(out.shape[0], dtype=jnp.int32) < jnp.clip(valid_rows, 0, out.shape[0])
-  return jnp.where(live[:, None], out, jnp.zeros((), out.dtype))
-
-
 @functools.partial(jax.jit, static_argnames=("plan",))
 def run(a_q, b_q, a_s, b_s, bias, valid_rows=None, *, plan: GemmPlan) -> jax.Array:
   """Executes `plan`: C (m, N) in the plan's out_dtype; with `valid_rows` (the plan's problem is `masked`), the rows
@@ -170,4 +164,4 @@ def run(a_q, b_q, a_s, b_s, bias, valid_rows=None, *, plan: GemmPlan) -> jax.Arr
   else:
     out = BACKENDS[plan.implementation].launch(a_q, b_q, a_s, b_s, bias, p, plan.config, plan.interpret,
                                                plan.device or _platform.device())
-  return out if valid_rows is None else live_rows_only(out, valid_rows)
+  return xla.live_rows_only(out, valid_rows)

@@ -89,6 +89,14 @@ def block_fp8_matmul_xla(
   return acc.astype(out_dtype)
 
 
+def live_rows_only(out: jax.Array, valid_rows: jax.Array | None) -> jax.Array:
+  """out (m, ...) with the rows from `valid_rows` on (clipped to [0, m]) set to zero; out itself for None."""
+  if valid_rows is None:
+    return out
+  live = jnp.arange(out.shape[0], dtype=jnp.int32) < jnp.clip(valid_rows, 0, out.shape[0])
+  return jnp.where(live.reshape(-1, *(1,) * (out.ndim - 1)), out, jnp.zeros((), out.dtype))
+
+
 # ---- the backend interface the planner asks -------------------------------------------------------------------------
 
 # With valid_rows, XLA computes every row; the planner zeroes the rows past it.

@@ -24,7 +24,7 @@ from jax import lax
 
 from jaxfp8 import _checks
 from jaxfp8 import _transforms as transforms
-from jaxfp8.gemm.xla import fp8_values
+from jaxfp8.gemm.xla import fp8_values, live_rows_only
 
 BACKWARDS = ("fp8", "bf16")
 
@@ -68,20 +68,13 @@ def _fp8_dx(dy2, w_q, w_s, w_q_t, block_size, options, out_dtype, valid_rows=Non
   return planner.forward(dy2, w_q_t, w_s.T, None, plan, valid_rows)
 
 
-def _live(dy2, valid_rows):
-  """dy2 with the rows from valid_rows on set to zero (the forward's output there is a constant 0)."""
-  if valid_rows is None:
-    return dy2
-  live = jnp.arange(dy2.shape[0], dtype=jnp.int32) < jnp.clip(valid_rows, 0, dy2.shape[0])
-  return jnp.where(live[:, None], dy2, jnp.zeros((), dy2.dtype))
-
-
 def input_gradient(dy, x_shape, x_dtype, w_q, w_s, w_q_t, block_size, options, mode, out_dtype=None,
                    valid_rows=None):
   """dx (x_shape, in `out_dtype`, x's dtype by default) = dy @ W in the backward `mode` ("fp8" or "bf16"); with
   valid_rows, the rows past it are 0."""
   out_dtype = x_dtype if out_dtype is None else out_dtype
-  dy2 = _live(dy.reshape(-1, dy.shape[-1]), valid_rows)
+  # Past valid_rows the forward's output is a constant 0: no gradient flows there.
+  dy2 = live_rows_only(dy.reshape(-1, dy.shape[-1]), valid_rows)
   if mode == "bf16":
     dx = _bf16_dx(dy2, w_q, w_s, block_size)
   else:
@@ -91,7 +84,8 @@ def input_gradient(dy, x_shape, x_dtype, w_q, w_s, w_q_t, block_size, options, m
 
 def bias_gradient(dy, bias_dtype, valid_rows=None):
   """dbias: dy summed over every (live) row in float32, cast to the bias's dtype."""
-  return jnp.sum(_live(dy.reshape(-1, dy.shape[-1]), valid_rows).astype(jnp.float32), axis=0).astype(bias_dtype)
+  dy2 = live_rows_only(dy.reshape(-1, dy.shape[-1]), valid_rows)
+  return jnp.sum(dy2.astype(jnp.float32), axis=0).astype(bias_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))

@@ -143,7 +143,6 @@ def plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, x_dtype
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m, n, k, block_size, out_dtype, x_dtype, options, has_bias, device, masked, interpret) -> LinearPlan:
-  out_dtype = jnp.dtype(out_dtype)
   live = max(m, 1)
   implementation, reason = gemm.planner.choose(
       gemm.problem(live, n, k, block_size, out_dtype=out_dtype, has_bias=has_bias, masked=masked),
