@@ -60,7 +60,7 @@ def _contenders():
 
 def _check(name, out, x, dy, w64) -> float:
   """Relative error of dx (or y for the forward alone) on sampled rows against float64."""
-  rows = np.unique(np.array([0, x.shape[0] // 2, x.shape[0] - 1]))
+  rows, _ = results.sample_rows_and_blocks(x.shape[0], 1, 1)
   if name == "fp8_fwd":
     return ref.relative_error(np.asarray(out[rows]).astype(np.float64),
                               np.asarray(x[rows]).astype(np.float64) @ w64.T)
@@ -91,14 +91,13 @@ def measure(label: str, n: int, k: int, ms, iterations: int, log=print) -> list[
       row[f"{name}_us"] = timing.median_kernel_us(fn, arg_sets, iterations=iterations)
     row["fp8_vs_bf16_layer"] = row["bf16_layer_us"] / row["fp8_fwd_bwd_us"]
     row["fp8_backward_us"] = row["fp8_fwd_bwd_us"] - row["fp8_fwd_us"]
-    log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    log(results.row_line(row))
     rows.append(row)
   return rows
 
 
 def markdown_table(result: dict) -> str:
-  lines = [f"Command: `{result['command']}` ({result['device']}, jax {result['jax_version']}). CUPTI kernel times, us; "
-           "x: bf16 layer time / FP8 forward+backward time.", "",
+  lines = [results.cupti_caption(result, "x: bf16 layer time / FP8 forward+backward time."), "",
            "| weight | M | FP8 fwd | FP8 fwd+bwd (fp8) | FP8 fwd+bwd (bf16 dgrad) | bf16 layer fwd+bwd | x | dx rel. err (fp8) |",
            "|---|---|---|---|---|---|---|---|"]
   for r in result["rows"]:
@@ -113,11 +112,9 @@ def main(argv):
     raise app.UsageError("usage: bench_linear_grad.py OUT.json [--shapes ...] [--m ...]")
   shapes = args.parse_shapes(FLAGS.shapes, flag="--shapes")
   ms = args.parse_ms(FLAGS.m)
-  result = dict(results.run_metadata("python3 scripts/bench_linear_grad.py " + " ".join(sys.argv[1:])), rows=[])
-  for shape in shapes:
-    result["rows"] += measure(shape.name, shape.n, shape.k, ms, FLAGS.iterations)
-    results.write_results(result, argv[1], markdown_table)
-  print(markdown_table(result))
+  results.run_shapes("python3 scripts/bench_linear_grad.py " + " ".join(sys.argv[1:]), shapes,
+                     lambda shape: measure(shape.name, shape.n, shape.k, ms, FLAGS.iterations), argv[1],
+                     markdown_table)
 
 
 if __name__ == "__main__":

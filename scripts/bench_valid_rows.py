@@ -38,7 +38,7 @@ def _check(out, x, w64, live: int) -> float:
   out = np.asarray(out).astype(np.float64)
   if (out[live:] != 0).any():
     raise AssertionError(f"a row past valid_rows={live} is not 0")
-  rows = np.unique(np.array([0, live // 2, live - 1]))
+  rows, _ = results.sample_rows_and_blocks(live, 1, 1)
   return ref.relative_error(out[rows], np.asarray(x[rows]).astype(np.float64) @ w64.T)
 
 
@@ -63,14 +63,13 @@ def measure(label: str, n: int, k: int, cases, iterations: int, log=print) -> li
     row["exact_us"] = timing.median_kernel_us(plain, [(x[:exact_rows], *w) for x, w in zip(xs, weights)],
                                               iterations=iterations)
     row["valid_vs_exact"] = row["bucket_valid_us"] / row["exact_us"]
-    log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    log(results.row_line(row))
     rows.append(row)
   return rows
 
 
 def markdown_table(result: dict) -> str:
-  lines = [f"Command: `{result['command']}` ({result['device']}, jax {result['jax_version']}). CUPTI kernel times, us; "
-           "x: bucket with valid_rows / exact rows (target <= 1.1).", "",
+  lines = [results.cupti_caption(result, "x: bucket with valid_rows / exact rows (target <= 1.1)."), "",
            "| weight | bucket | live | bucket, all rows | bucket, valid_rows | exact rows | x | rel. err |",
            "|---|---|---|---|---|---|---|---|"]
   for r in result["rows"]:
@@ -90,11 +89,9 @@ def main(argv):
     raise app.UsageError(f"--cases: bucket:live pairs, got {FLAGS.cases!r}") from None
   if any(len(c) != 2 or not 0 < c[1] <= c[0] for c in cases):
     raise app.UsageError(f"--cases: each pair needs 0 < live <= bucket, got {FLAGS.cases!r}")
-  result = dict(results.run_metadata("python3 scripts/bench_valid_rows.py " + " ".join(sys.argv[1:])), rows=[])
-  for shape in shapes:
-    result["rows"] += measure(shape.name, shape.n, shape.k, cases, FLAGS.iterations)
-    results.write_results(result, argv[1], markdown_table)
-  print(markdown_table(result))
+  results.run_shapes("python3 scripts/bench_valid_rows.py " + " ".join(sys.argv[1:]), shapes,
+                     lambda shape: measure(shape.name, shape.n, shape.k, cases, FLAGS.iterations), argv[1],
+                     markdown_table)
 
 
 if __name__ == "__main__":

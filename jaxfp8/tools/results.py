@@ -36,3 +36,26 @@ def write_results(result: dict, out_json: str | None, markdown_table: Callable[[
   if markdown_table is not None:
     with open(out_json.removesuffix(".json") + ".md", "w") as f:
       f.write(markdown_table(result))
+
+
+def row_line(row: dict) -> str:
+  """One measured row as `key=value` pairs, floats to 4 significant digits: a runner's progress log."""
+  return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
+def cupti_caption(result: dict, note: str) -> str:
+  """The line above a CUPTI results table: the command, device and JAX version, then `note`."""
+  return (f"Command: `{result['command']}` ({result['device']}, jax {result['jax_version']}). CUPTI kernel times, "
+          f"us; {note}")
+
+
+def run_shapes(command: str, shapes, measure: Callable, out_json: str | None,
+               markdown_table: Callable[[dict], str]) -> dict:
+  """`measure(shape) -> rows` for each shape, the JSON and its table rewritten after every shape (a run cut short
+  keeps what it measured); prints the table and returns the results."""
+  result = dict(run_metadata(command), rows=[])
+  for shape in shapes:
+    result["rows"] += measure(shape)
+    write_results(result, out_json, markdown_table)
+  print(markdown_table(result))
+  return result
