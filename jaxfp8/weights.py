@@ -22,7 +22,7 @@ import numpy as np
 from jaxfp8 import _checks
 from jaxfp8 import _transforms as transforms
 from jaxfp8.gemm.xla import fp8_values
-from jaxfp8.kernels import exact_division as _exact_division
+from pallas_kernels import exact_division as _exact_division
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0

@@ -1,4 +1,4 @@
-"""A/B of one GEMM kernel between two source trees, in one process: this tree's jaxfp8/kernels/gemm_<impl>.py
+"""A/B of one GEMM kernel between two source trees, in one process: this tree's pallas_kernels/gemm_<impl>.py
 against a base tree's (e.g. a worktree of main), so that a kernel change is judged by the same machine state.
 
   git worktree add .wip/wt/base main
@@ -35,19 +35,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_module(tree: str, implementation: str, alias: str):
-  """The gemm_<implementation> kernel module of `tree` (jaxfp8/kernels/, or pallas_kernels/ in older trees), imported
+  """The gemm_<implementation> kernel module of `tree` (pallas_kernels/, or jaxfp8/kernels/ in older trees), imported
   with its kernel package under `alias` (so two trees' copies coexist)."""
-  for folder in ("jaxfp8/kernels", "pallas_kernels"):
+  for folder in ("pallas_kernels", "jaxfp8/kernels"):
     path = pathlib.Path(tree) / folder
     if (path / f"gemm_{implementation}.py").is_file():
       break
   else:
-    raise FileNotFoundError(f"no gemm_{implementation}.py under {tree}/jaxfp8/kernels or {tree}/pallas_kernels")
+    raise FileNotFoundError(f"no gemm_{implementation}.py under {tree}/pallas_kernels or {tree}/jaxfp8/kernels")
   spec = importlib.util.spec_from_file_location(alias, path / "__init__.py", submodule_search_locations=[str(path)])
   package = importlib.util.module_from_spec(spec)
   sys.modules[alias] = package  # dataclasses look their module up while the file executes
   spec.loader.exec_module(package)
-  if folder == "pallas_kernels":  # older trees import their siblings by the absolute package name
+  if folder == "pallas_kernels":  # trees with a top-level kernel package import their siblings by its name
     sys.modules.setdefault("pallas_kernels", package)
   return importlib.import_module(f"{alias}.gemm_{implementation}")
 

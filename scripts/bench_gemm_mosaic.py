@@ -1,4 +1,4 @@
-"""GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (jaxfp8/kernels/gemm_mosaic.py).
+"""GPU (H200): check and time the Mosaic GPU block-FP8 GEMM configs (pallas_kernels/gemm_mosaic.py).
 
   python scripts/bench_gemm_mosaic.py OUT.json [--budget_s 200] [--quick] [--shapes N,K;N,K] [--m 1,16,64]
       [--only decode|medium|prefill|wg3|wg3_tune|small_prefill|cols|choices] [--unscaled] [--torch]
@@ -39,8 +39,8 @@ from jaxfp8 import _platform
 from jaxfp8.gemm import mosaic as policy  # the Mosaic GEMM's schedule policy
 from jaxfp8.tools import results as results_io, bench_gemm, timing
 from jaxfp8.tools.args import UsageError, parse_ms, parse_shapes
-from jaxfp8.kernels import gemm_mosaic as gm
-from jaxfp8.kernels.gemm_mosaic import Dim, MosaicGemmConfig
+from pallas_kernels import gemm_mosaic as gm
+from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (benchmarks/README.md)
 L2_BYTES = 60 << 20

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxfp8 import quant
 from jaxfp8.tools import timing
-from jaxfp8.kernels import quant_mosaic as qm
+from pallas_kernels import quant_mosaic as qm
 
 # (E, T, K, valid rows per batch entry or None, options)
 COL = dict(column_major_scales=True, scale_tma_aligned=True, row_alignment=4)

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxfp8 import quant
 from jaxfp8.tools import timing
-from jaxfp8.kernels.quant_triton import QuantTritonConfig
+from pallas_kernels.quant_triton import QuantTritonConfig
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxfp8 import _platform, gemm
 from jaxfp8.tools import bench_gemm, timing
 from jaxfp8.tools.args import UsageError, parse_shapes
-from jaxfp8.kernels import gemm_triton
+from pallas_kernels import gemm_triton
 
 BLOCK_SIZE = (128, 128)
 

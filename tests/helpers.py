@@ -37,8 +37,8 @@ def backend_importable(module: str) -> bool:
   return _platform.import_error(module) is None
 
 
-MOSAIC_GEMM_IMPORTABLE = backend_importable("jaxfp8.kernels.gemm_mosaic")
-MOSAIC_QUANT_IMPORTABLE = backend_importable("jaxfp8.kernels.quant_mosaic")
+MOSAIC_GEMM_IMPORTABLE = backend_importable("pallas_kernels.gemm_mosaic")
+MOSAIC_QUANT_IMPORTABLE = backend_importable("pallas_kernels.quant_mosaic")
 
 
 # ---- quantizer outputs against the reference (docs/CONTRACT.md §1) ------------------------------------------------
@@ -103,5 +103,5 @@ def mosaic_interpret_config():
   The grouped kernel's persistent loop (with valid_rows, its work items mix live, zero and empty tiles) hangs the
   Mosaic GPU interpreter now and then on a 2-CPU machine, one CTA or two (WORKSPACE.md); one CTA per tile did not in
   120 calls."""
-  from jaxfp8.kernels.gemm_mosaic import MosaicGemmConfig
+  from pallas_kernels.gemm_mosaic import MosaicGemmConfig
   return MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1, persistent=False)

@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from jaxfp8 import gemm
-from jaxfp8.kernels import gemm_triton
+from pallas_kernels import gemm_triton
 from jaxfp8.tools import args, bench, cli, timing, tune
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ from jaxfp8.tools import baselines
 from jaxfp8 import reference as ref
 from jaxfp8 import shapes
 from jaxfp8.gemm import TritonGemmConfig, w8a8_block_fp8_matmul
-from jaxfp8.kernels import gemm_triton
+from pallas_kernels import gemm_triton
 
 SHAPES = shapes.load()
 # docs/CONTRACT.md §2 tolerances (relative Frobenius error vs float64); fp16 output is held to the bf16 bound.
@@ -207,7 +207,7 @@ def test_nan_scales_and_codes_propagate_only_where_the_reference_has_them(rng, i
   assert ref.relative_error(out[live], expected[live]) <= 2e-4
 
 
-@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="pallas_kernels.gemm_mosaic not importable")
 @pytest.mark.parametrize("column_major", [False, True])
 def test_mosaic_dispatch_passes_the_column_major_scales(rng, column_major):
   # The dispatch glue only (transpose of row-major a_s, slicing of a non-TMA-aligned M'); the kernel has its own tests.
@@ -241,7 +241,7 @@ def _padded_with_poison(problem: Problem, rows: int) -> tuple[np.ndarray, np.nda
 def test_out_rows_computes_the_live_rows_of_padded_buffers(rng, implementation, m, rows, column_major, config):
   n, k = (256, 384) if implementation == "mosaic" else (200, 300)
   if implementation == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
-    pytest.skip("jaxfp8.kernels.gemm_mosaic not importable")
+    pytest.skip("pallas_kernels.gemm_mosaic not importable")
   problem = make_problem(rng, m, n, k, (128, 128), column_major=column_major, bias=True)
   a_q, a_s = _padded_with_poison(problem, rows)
   out = w8a8_block_fp8_matmul(a_q, problem.b_q, a_s, problem.b_s, (128, 128), a_s_column_major=column_major,
@@ -264,14 +264,14 @@ def test_out_rows_is_validated(out_rows):
     ("xla", 150, 150, False, True),
     ("xla", 37, 64, True, False),
     ("triton", 70, 70, True, True),
-    ("mosaic", 150, 160, True, True),   # padding rows past out_rows, a bias (the kernel writes float32)
+    ("mosaic", 150, 160, True, True),   # padding rows past out_rows, a bias (added to the live rows only)
     ("mosaic", 130, 130, False, False),
 ])
 def test_valid_rows_zeroes_the_rows_past_it_with_one_compile(rng, implementation, m, rows, column_major, bias):
   """One jitted call for every count: live rows match the reference, the rest are exactly 0 although their codes and
   scales are NaN (poison a skipped tile would leak; the bias must not reach them either)."""
   if implementation == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
-    pytest.skip("jaxfp8.kernels.gemm_mosaic not importable")
+    pytest.skip("pallas_kernels.gemm_mosaic not importable")
   n, k = (256, 384) if implementation == "mosaic" else (200, 300)
   config = {"triton": _cfg(16, 64, 128), "mosaic": helpers.mosaic_interpret_config()}.get(implementation)
   problem = make_problem(rng, m, n, k, (128, 128), column_major=column_major, bias=bias)
@@ -352,10 +352,11 @@ def test_plan_says_whether_dead_row_tiles_are_skipped():
   a_q, b_q = jax.ShapeDtypeStruct((512, 1024), ref.FP8), jax.ShapeDtypeStruct((2048, 1024), ref.FP8)
   hopper = helpers.fake_device((9, 0))
   if not helpers.MOSAIC_GEMM_IMPORTABLE:
-    pytest.skip("jaxfp8.kernels.gemm_mosaic not importable")
+    pytest.skip("pallas_kernels.gemm_mosaic not importable")
   mosaic_plan = gemm.plan(gemm.problem(512, 2048, 1024, (128, 128), masked=True), device=hopper, interpret=False)
   assert mosaic_plan.implementation == "mosaic" and mosaic_plan.skips_dead_rows
-  assert "row tiles past it are skipped" in str(mosaic_plan) and "masked grouped kernel" in str(mosaic_plan)
+  assert "row tiles past it are skipped" in str(mosaic_plan)
+  assert "the row tiles past valid_rows are skipped" in mosaic_plan.config_reason
   xla_plan = gemm.plan_for(a_q, b_q, (128, 128), valid_rows=True, implementation="xla")
   assert not xla_plan.skips_dead_rows and "every row is computed" in str(xla_plan)
   assert "valid_rows" not in str(gemm.plan_for(a_q, b_q, (128, 128), implementation="xla"))
@@ -515,7 +516,7 @@ def test_gpu_implementations_without_interpret_on_cpu_are_rejected(implementatio
                           implementation=implementation, interpret=False)
 
 
-@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="pallas_kernels.gemm_mosaic not importable")
 @pytest.mark.parametrize("m, column_major", [(7, False), (13, True), (23, False)])
 def test_mosaic_takes_any_m(rng, m, column_major):
   """Rows that are no multiple of 4 or 8: the launcher pads a_q's TMA view and the scales' columns itself."""
@@ -720,23 +721,26 @@ def test_gpu_out_rows_of_padded_decode_buffers(model, name, implementation):
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("m", [13, 130, 4096])
-def test_gpu_valid_rows_on_the_masked_kernel(m, rng):
-  """valid_rows on the Mosaic GEMM (the masked grouped kernel, one group): the default config and a persistent grid
-  of two CTAs (which hung the CPU interpreter at M=13 with live and zero rows in one row tile), every count kind."""
+def test_gpu_valid_rows_on_the_dense_kernel(m, rng):
+  """valid_rows on the Mosaic GEMM (the dense kernel's live-row count): the default config, a persistent grid of two
+  CTAs, the two-warpgroup prefill tile and CTA pairs along M and N, every count kind, a bias in bf16 and f32."""
   if not _platform.is_hopper():
     pytest.skip("the Mosaic kernel needs a Hopper GPU")
-  from jaxfp8.kernels.gemm_mosaic import MosaicGemmConfig
+  from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
   problem = make_problem(rng, m, 1536, 7168, (128, 128), column_major=True, bias=True)
   expected = problem.reference()
   two_ctas = MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1, grid_size=2)
-  for config in (None, two_ctas):
-    f = jax.jit(lambda v: problem.call(out_dtype=F32, implementation="mosaic", config=config, valid_rows=v))
+  prefill = MosaicGemmConfig(tile_m=128, tile_n=256, num_compute_wgs=2, wg_split=Dim.N)
+  pairs_m = MosaicGemmConfig(tile_m=128, tile_n=128, num_compute_wgs=2, cluster_dim=Dim.M)
+  pairs_n = MosaicGemmConfig(tile_m=192, tile_n=128, num_compute_wgs=3, cluster_dim=Dim.N, grid_tile_width=16)
+  for config, out_dtype in ((None, F32), (two_ctas, F32), (prefill, BF16), (pairs_m, F32), (pairs_n, BF16)):
+    f = jax.jit(lambda v: problem.call(out_dtype=out_dtype, implementation="mosaic", config=config, valid_rows=v))
     for valid in sorted({0, 1, 5, m // 2 + 3, m - 1, m}):
-      out = np.asarray(f(jnp.int32(valid)))
+      out = np.asarray(f(jnp.int32(valid))).astype(np.float32)
       assert (out[valid:] == 0).all(), (config, valid)
       if valid:
         err = ref.relative_error(out[:valid], expected[:valid])
-        assert err <= TOLERANCE[jnp.dtype(F32)], (config, valid, err)
+        assert err <= TOLERANCE[jnp.dtype(out_dtype)], (config, valid, err)
 
 
 @pytest.mark.gpu

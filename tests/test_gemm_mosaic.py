@@ -24,8 +24,8 @@ import jaxfp8
 from jaxfp8 import _platform
 from jaxfp8 import reference as ref
 from jaxfp8.gemm import mosaic as mosaic_backend
-from jaxfp8.kernels import gemm_mosaic as gm
-from jaxfp8.kernels.gemm_mosaic import Dim, MosaicGemmConfig
+from pallas_kernels import gemm_mosaic as gm
+from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
 
 # The (N, K) weight shapes of /work/shared/shapes.json (DeepSeek-V3 full/TP8/TP16, Qwen3-32B/4B) with N and K
 # multiples of 128, the ones this kernel takes (576 and 2112 go to the portable kernel). Embedded so that the tests do
@@ -326,20 +326,32 @@ def test_any_m_and_any_scale_columns_run(rng):
   _check(np.asarray(out), a_q, b_q, a_s[:, :6], b_s, jnp.float32)
 
 
-def test_rejects_bad_configs():
+@pytest.mark.parametrize("kwargs", [
+    dict(tile_n=100), dict(tile_n=264), dict(tile_n=200), dict(tile_n=0), dict(tile_m=96), dict(tile_m=320),
+    dict(k_blocks_per_step=3), dict(tile_m=64, wg_split=Dim.M), dict(num_compute_wgs=3), dict(num_compute_wgs=4),
+    dict(tile_m=256, num_compute_wgs=4), dict(epi_tile_n=48), dict(epi_tile_n=128), dict(grid_size=0),
+    dict(max_concurrent_steps=0), dict(max_concurrent_steps=2.0), dict(grid_tile_width=0),
+    dict(cluster_dim=Dim.M, persistent=False), dict(cluster_dim=Dim.N, warp_specialized=False)],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_a_config_no_kernel_can_build_is_refused_when_made(kwargs):
+  """Configs check themselves on construction (and on dataclasses.replace), naming the field."""
+  field = next(iter(kwargs)) if len(kwargs) == 1 else None
+  with pytest.raises(ValueError, match=field or ""):
+    MosaicGemmConfig(**kwargs)
+  with pytest.raises(ValueError):
+    dataclasses.replace(MosaicGemmConfig(), **kwargs)
+
+
+def test_rejects_configs_that_do_not_fit_the_problem():
   def problems(config, out_dtype=jnp.bfloat16, n=256):
     return gm.config_problems(config, n, out_dtype)
 
   assert not problems(MosaicGemmConfig())
   assert any("128 bytes" in p for p in problems(MosaicGemmConfig(epi_tile_n=64), jnp.float32))
   assert any("tile_n=96" in p and "must divide N=256" in p for p in problems(MosaicGemmConfig(tile_n=96)))
-  for bad in (MosaicGemmConfig(tile_n=100), MosaicGemmConfig(tile_n=264), MosaicGemmConfig(tile_n=200),
-              MosaicGemmConfig(tile_m=96), MosaicGemmConfig(k_blocks_per_step=3),
-              MosaicGemmConfig(tile_m=64, wg_split=Dim.M), MosaicGemmConfig(num_compute_wgs=3),
-              MosaicGemmConfig(tile_m=256, num_compute_wgs=4),
-              MosaicGemmConfig(epi_tile_n=48), MosaicGemmConfig(epi_tile_n=128), MosaicGemmConfig(max_concurrent_steps=12),
-              MosaicGemmConfig(grid_size=0), MosaicGemmConfig(cluster_dim=Dim.M, persistent=False)):
-    assert problems(bad), bad
+  assert any("shared memory" in p for p in problems(MosaicGemmConfig(max_concurrent_steps=12)))
+  assert any("warp-specialized" in p for p in gm.config_problems(MosaicGemmConfig(warp_specialized=False), 256,
+                                                                 jnp.bfloat16, live_rows=True))
   # Through the public function: a config that cannot run is refused with its problem, naming the config.
   args = _args()
   with pytest.raises(ValueError, match="tile_n=96.*must divide N=256"):
@@ -361,7 +373,6 @@ def test_default_config_is_valid_everywhere():
     for m in M_VALUES:
       for out_dtype in (jnp.bfloat16, jnp.float32):
         config = mosaic_backend.default_config(m, n, k, out_dtype, num_sms=132)
-        config.validate()
         assert config.smem_bytes(out_dtype) <= gm.SMEM_BYTES, (m, n, k, config)
         if m <= 64:
           assert config.num_wgs == 1 and config.tile_m == 64

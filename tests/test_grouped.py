@@ -22,8 +22,8 @@ from jaxfp8 import _platform, grouped
 from jaxfp8 import _transforms as transforms
 from jaxfp8 import reference as ref
 from jaxfp8.grouped import mosaic as grouped_mosaic
-from jaxfp8.kernels import grouped_gemm_mosaic as ggm
-from jaxfp8.kernels.gemm_mosaic import Dim, MosaicGemmConfig
+from pallas_kernels import grouped_gemm_mosaic as ggm
+from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
 
 from helpers import MOSAIC_GEMM_IMPORTABLE
 

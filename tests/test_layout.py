@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "jaxfp8" / "kernels"
+KERNELS = ROOT / "pallas_kernels"
 THIRD_PARTY = {"jax", "jaxlib", "numpy", "ml_dtypes"}
 # Kernel bodies are exempt from the function length rule (one traced body is one kernel); the kernel modules carry
 # their design notes in their docstrings.
@@ -40,7 +40,7 @@ def _imports(path: pathlib.Path):
 def test_kernels_import_nothing_from_the_library(path):
   for module, level in _imports(path):
     top = module.split(".")[0]
-    if level:  # a sibling in jaxfp8/kernels
+    if level:  # a sibling in pallas_kernels
       continue
     assert top != "jaxfp8", f"{path.name} imports {module}: kernels import nothing from the library"
     assert top in THIRD_PARTY or top in sys.stdlib_module_names, f"{path.name} imports {module}"
@@ -117,7 +117,7 @@ def test_library_comments_say_why_not_when():
 
 def test_modules_and_functions_stay_short():
   long = []
-  for path in _python_files("jaxfp8"):
+  for path in _python_files("jaxfp8", "pallas_kernels"):
     lines = len(path.read_text().splitlines())
     limit = MAX_MODULE_LINES["kernels" if path.parent == KERNELS else "default"]
     if lines > limit:

@@ -133,7 +133,7 @@ def test_valid_rows_computes_the_live_rows_with_one_compile(rng, implementation,
   """A linear jitted once for a bucket of rows: every count gives the live rows of the whole call (the same plan,
   so bit for bit) and zeros past them, whatever x holds there (NaN here)."""
   if implementation == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
-    pytest.skip("jaxfp8.kernels.gemm_mosaic not importable")
+    pytest.skip("pallas_kernels.gemm_mosaic not importable")
   n, k = 256, x_shape[-1]
   w_q, w_s = make_weight(rng, n, k)
   bias = jnp.asarray(rng.standard_normal(n), F32)
@@ -321,7 +321,7 @@ def _weight_shape(n, k):
 ])
 def test_default_dispatch(capability, m, n, k, block_size, impl, alignment, reason):
   if impl == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
-    pytest.skip("jaxfp8.kernels.gemm_mosaic is not importable here")
+    pytest.skip("pallas_kernels.gemm_mosaic is not importable here")
   plan = linear.planner.plan(m, n, k, block_size, BF16, BF16, linear.LinearOptions(interpret=False),
                              device=helpers.fake_device(capability))
   assert (plan.implementation, plan.row_alignment) == (impl, alignment), str(plan)
@@ -446,7 +446,7 @@ def test_lowered_xla_program_has_no_activation_copies():
 _MOSAIC_AROUND = {"custom_call", "reshape", "slice", "constant", "broadcast_in_dim", "return"}
 
 
-@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="pallas_kernels.gemm_mosaic not importable")
 @pytest.mark.parametrize("m, n, k", [(1, 1536, 7168), (5, 1536, 7168), (13, 7168, 2048), (64, 7168, 2048),
                                      (300, 24576, 1536)])
 def test_lowered_mosaic_program_is_two_kernels_back_to_back(m, n, k):
@@ -462,11 +462,11 @@ def test_lowered_mosaic_program_is_two_kernels_back_to_back(m, n, k):
   assert m >= 64 or plan.padded_rows == 64, plan
 
 
-@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="pallas_kernels.gemm_mosaic not importable")
 @pytest.mark.parametrize("m, n, k", [(40, 1536, 7168), (4096, 24576, 7168), (300, 7168, 2048)])
-def test_lowered_valid_rows_program_is_the_masked_grouped_kernel(m, n, k):
-  """With a traced valid_rows the Mosaic linear lowers for the H200 to the quantizer (masked), the work-item table
-  and the grouped kernel; the bias goes in after the kernel's float32 output."""
+def test_lowered_valid_rows_program_is_the_dense_kernel_with_its_live_rows(m, n, k):
+  """With a traced valid_rows the Mosaic linear lowers for the H200 to the quantizer (masked) and the dense kernel
+  with its live-row count, which adds the bias itself: no float32 (M, N) result is written and cast afterwards."""
   from jax.experimental.pallas import triton as plt
   args = [_shape(m, k), _weight_shape(n, k), jax.ShapeDtypeStruct((ref.ceil_div(n, 128), ref.ceil_div(k, 128)), F32),
           jax.ShapeDtypeStruct((n,), F32), jax.ShapeDtypeStruct((), jnp.int32)]
@@ -477,11 +477,13 @@ def test_lowered_valid_rows_program_is_the_masked_grouped_kernel(m, n, k):
     text = jax.export.export(
         jax.jit(f), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plt.CUSTOM_CALL_TARGET_NAME)])(*args).mlir_module()
-  assert plan.masked and plan.gemm.skips_dead_rows and "masked grouped kernel" in plan.gemm.config_reason, str(plan)
+  assert plan.masked and plan.gemm.skips_dead_rows, str(plan)
+  assert "the row tiles past valid_rows are skipped" in plan.gemm.config_reason, str(plan)
   assert text.count("mosaic_gpu") >= 2, "the quantizer's and the GEMM's kernels"
+  assert f"x{n}xf32>" not in text, "a float32 (M, N) intermediate: the bias went in outside the kernel"
 
 
-@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="jaxfp8.kernels.gemm_mosaic not importable")
+@pytest.mark.skipif(not helpers.MOSAIC_GEMM_IMPORTABLE, reason="pallas_kernels.gemm_mosaic not importable")
 def test_lowered_program_check_catches_a_launcher_copy():
   # 12 rows (a multiple of 4, not of 8): the Mosaic GEMM's launcher pads a_q to 16 rows, a copy the test must see.
   text, plan = _gpu_program("mosaic", 12, 1536, 7168, row_alignment=1)

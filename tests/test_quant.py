@@ -205,7 +205,7 @@ def test_default_implementation_by_device_and_size():
 
 
 def test_config_selects_its_kernel(rng):
-  from jaxfp8.kernels.quant_triton import QuantTritonConfig
+  from pallas_kernels.quant_triton import QuantTritonConfig
   x = random_activations(rng, (1024, 1024), INPUT_DTYPES["bf16"])
   q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, config=QuantTritonConfig(block_rows=8), interpret=True)
   ref_q, ref_s = ref.per_token_group_quant_fp8(x, 128)

@@ -25,7 +25,7 @@ import jaxfp8
 from jaxfp8 import _platform
 from jaxfp8 import reference as ref
 from jaxfp8 import quant
-from jaxfp8.kernels import quant_mosaic as qm
+from pallas_kernels import quant_mosaic as qm
 from jaxfp8.quant import mosaic as quant_mosaic_backend
 from helpers import INPUT_DTYPES, assert_matches_reference, random_activations
 

@@ -11,7 +11,7 @@ and one module per backend (`xla`, `triton`, `mosaic`) that says what it can run
 from jaxfp8.gemm.api import FP8, OUT_DTYPES, plan_for, transformable, w8a8_block_fp8_matmul
 from jaxfp8.gemm.planner import (IMPLEMENTATIONS, TRITON_DECODE_MAX_M, GemmPlan, GemmProblem, plan, problem,
                                  row_alignment, run)
-from jaxfp8.kernels.gemm_triton import TritonGemmConfig
+from pallas_kernels.gemm_triton import TritonGemmConfig
 
 __all__ = [
     "w8a8_block_fp8_matmul", "plan_for", "plan", "problem", "run", "transformable", "row_alignment", "GemmPlan",

@@ -1,24 +1,22 @@
 """The Mosaic GPU GEMM backend (Hopper): what it runs, its schedule heuristic, and its launch.
 
 The schedule policy (`default_config`, `prefill_candidates` and the measured speeds they weigh) lives here, not in
-the kernel file: the kernel (`jaxfp8/kernels/gemm_mosaic.py`) builds any config it is given.
+the kernel file: the kernel (`pallas_kernels/gemm_mosaic.py`) builds any config it is given.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform
-from jaxfp8.gemm.xla import live_rows_only
 
 if TYPE_CHECKING:
-  from jaxfp8.kernels.gemm_mosaic import MosaicGemmConfig
+  from pallas_kernels.gemm_mosaic import MosaicGemmConfig
 
-KERNEL_MODULE = "jaxfp8.kernels.gemm_mosaic"
+KERNEL_MODULE = "pallas_kernels.gemm_mosaic"
 CONFIG_CLASS = "MosaicGemmConfig"
 BLOCK = 128       # the only scale block the kernel implements (DeepSeek-V3's)
 WGMMA_M = 64      # rows of one wgmma: the decode row tile
@@ -40,14 +38,9 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def _fit_smem(config: MosaicGemmConfig, out_dtype, num_k_steps: int) -> MosaicGemmConfig:
-  """Lowers max_concurrent_steps until the config fits in shared memory (and to at most the number of K steps)."""
-  _K = _kernel()
-  steps = max(1, min(config.max_concurrent_steps, num_k_steps))
-  config = dataclasses.replace(config, max_concurrent_steps=steps)
-  while config.smem_bytes(out_dtype) > _K.SMEM_BYTES and config.max_concurrent_steps > 1:
-    config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
-  return config
+def _fit_smem(config: MosaicGemmConfig, out_dtype, k: int) -> MosaicGemmConfig:
+  """`config` with max_concurrent_steps lowered until it fits in shared memory (and to at most the K steps)."""
+  return _kernel().fit_smem(config, k, lambda c: c.smem_bytes(out_dtype))
 
 
 def _balance(num_tiles: int, num_ctas: int) -> float:
@@ -164,7 +157,7 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: i
         tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
         persistent=False, epi_tile_n=epi_tile_n, weight_scales_ahead=True,
     )
-  return _fit_smem(config, out_dtype, cdiv(k // BLOCK, config.k_blocks_per_step))
+  return _fit_smem(config, out_dtype, k)
 
 
 
@@ -193,35 +186,21 @@ def row_alignment(m: int) -> tuple[int, str]:
   return tile, f"M={m} padded to a multiple of {tile}, the rows of the tiled TMA view of a_q (no copy of a_q)"
 
 
-# With valid_rows, the call runs on the grouped kernel's masked layout with one group (the mechanism the masked MoE
-# GEMM uses): its work items are the live row tiles, then the zero ones, so the tiles past valid_rows load nothing.
+# With valid_rows, the row tiles past the count load nothing and run no wgmma (the kernel's live-row count).
 SKIPS_DEAD_ROWS = True
 
 
-def _masked_problem(problem):
-  """The one-group masked grouped problem a dense call with valid_rows runs as."""
-  from jaxfp8.grouped import planner as grouped_planner  # the grouped package builds on this one
-  kernel_dtype = jnp.float32 if problem.has_bias else problem.out_dtype  # see launch_masked
-  return grouped_planner.problem("masked", 1, problem.m, problem.n, problem.k, problem.block_size,
-                                 out_dtype=kernel_dtype, a_s_column_major=True)
-
-
 def default_config_for(problem, device: _platform.Device):
-  if problem.masked:
-    from jaxfp8.grouped import mosaic as grouped_mosaic
-    config, why = grouped_mosaic.default_config_for(_masked_problem(problem), device)
-    return config, f"valid_rows: the masked grouped kernel with one group, {why}"
   config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms)
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
-  return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs"
+  why = f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs"
+  if problem.masked:
+    why += "; the row tiles past valid_rows are skipped"
+  return config, why
 
 
 def config_problem(problem, config) -> str | None:
-  if problem.masked:
-    from jaxfp8.grouped import mosaic as grouped_mosaic
-    why = grouped_mosaic.config_problem(_masked_problem(problem), config)
-    return why and f"with valid_rows the masked grouped kernel runs: {why}"
-  return "; ".join(_kernel().config_problems(config, problem.n, problem.out_dtype)) or None
+  return "; ".join(_kernel().config_problems(config, problem.n, problem.out_dtype, live_rows=problem.masked)) or None
 
 
 def _column_major_scales(a_s, problem):
@@ -235,25 +214,15 @@ def _column_major_scales(a_s, problem):
   return a_s_col
 
 
-def launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret: bool, device: _platform.Device):
+def launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret: bool, device: _platform.Device, live_rows=None):
   interpret_kwargs = {"interpret": True} if interpret else {}
   return _kernel().block_fp8_matmul(
       a_q, b_q, _column_major_scales(a_s, problem), b_s, out_dtype=problem.out_dtype, bias=bias, config=config,
-      num_sms=device.num_sms, out_rows=problem.m if problem.m != problem.rows else None, **interpret_kwargs)
+      num_sms=device.num_sms, out_rows=problem.m if problem.m != problem.rows else None, live_rows=live_rows,
+      **interpret_kwargs)
 
 
 def launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, problem, config, interpret: bool, device: _platform.Device):
-  """The first problem.m rows of C with the rows from valid_rows on zero, on the grouped kernel's masked layout with
-  one group: only the live row tiles are computed. The grouped kernel has no bias: with one, it writes float32 and
-  the bias is added here before the one cast (docs/CONTRACT.md §2)."""
-  K = importlib.import_module("jaxfp8.kernels.grouped_gemm_mosaic")
-  m = problem.m
-  # masked_segments clips the count to [0, m].
-  items = K.work_items(K.masked_segments(valid_rows.reshape(1), m), config.tile_m,
-                       K.masked_num_items(1, m, config.tile_m))
-  out = K.grouped_block_fp8_matmul(
-      a_q[None], b_q[None], _column_major_scales(a_s, problem)[None], b_s[None], items, out_rows=m,
-      out_dtype=_masked_problem(problem).out_dtype, config=config, num_sms=device.num_sms, interpret=interpret)[0]
-  if bias is None:
-    return out
-  return live_rows_only(out + bias[None, :], valid_rows).astype(problem.out_dtype)
+  """The first problem.m rows of C with the rows from valid_rows on zero; the row tiles past it are not computed
+  and the bias is added to the live rows only, before the one cast (docs/CONTRACT.md §2)."""
+  return launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret, device, live_rows=valid_rows)

@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxfp8 import _platform
-from jaxfp8.kernels import gemm_triton
-from jaxfp8.kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil
+from pallas_kernels import gemm_triton
+from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil
 
-KERNEL_MODULE = "jaxfp8.kernels.gemm_triton"
+KERNEL_MODULE = "pallas_kernels.gemm_triton"
 CONFIG_CLASS = "TritonGemmConfig"
 
 H200_TABLE = "triton_gemm_h200.json"

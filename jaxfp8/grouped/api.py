@@ -5,7 +5,7 @@
 
 Each validates its arguments once, asks `planner.plan` for the implementation and kernel config, and runs the plan.
 group_sizes and masked_m are traced arrays: routing changes never recompile. Implementations:
-  "mosaic": Pallas Mosaic GPU kernel for Hopper (jaxfp8/kernels/grouped_gemm_mosaic.py); block (128, 128), N and K
+  "mosaic": Pallas Mosaic GPU kernel for Hopper (pallas_kernels/grouped_gemm_mosaic.py); block (128, 128), N and K
             multiples of 128.
   "xla":    jnp (`lax.ragged_dot_general` per K group), any platform (jaxfp8/grouped/xla.py).
 """

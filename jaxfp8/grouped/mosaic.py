@@ -1,6 +1,6 @@
 """The Mosaic GPU grouped-GEMM backend (Hopper): what it runs, its schedule heuristic, and its launch.
 
-The kernel (jaxfp8/kernels/grouped_gemm_mosaic.py) builds any config it is given; the choice lives here. The two
+The kernel (pallas_kernels/grouped_gemm_mosaic.py) builds any config it is given; the choice lives here. The two
 schedules are the dense GEMM's (jaxfp8/gemm/mosaic.py) for the rows one expert sees: the decode schedule where an
 expert's rows fit in one 64-row tile (the weights stream once, spread over many CTAs), a 128x128 tile on two
 consumer warpgroups above that. They have not been tuned for grouped problems on a GPU yet.
@@ -8,7 +8,6 @@ consumer warpgroups above that. They have not been tuned for grouped problems on
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 from jaxfp8 import _checks, _platform
 from jaxfp8.gemm import mosaic as dense
 
-KERNEL_MODULE = "jaxfp8.kernels.grouped_gemm_mosaic"
+KERNEL_MODULE = "pallas_kernels.grouped_gemm_mosaic"
 CONFIG_CLASS = "MosaicGemmConfig"
 BLOCK = dense.BLOCK
 WGMMA_M = dense.WGMMA_M
@@ -54,11 +53,7 @@ def default_config(problem):
 def fit_smem(config, out_dtype, k: int):
   """`config` with max_concurrent_steps lowered until it fits in shared memory (and to at most the K steps)."""
   K = _kernel()
-  steps = max(1, min(config.max_concurrent_steps, dense.cdiv(k // BLOCK, config.k_blocks_per_step)))
-  config = dataclasses.replace(config, max_concurrent_steps=steps)
-  while K.smem_bytes(config, out_dtype) > K.SMEM_BYTES and config.max_concurrent_steps > 1:
-    config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
-  return config
+  return K.fit_smem(config, k, lambda c: K.smem_bytes(c, out_dtype))
 
 
 # ---- the backend interface the planner asks -------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import importlib
 
 from jaxfp8 import _platform
 
-KERNEL_MODULE = "jaxfp8.kernels.quant_mosaic"
+KERNEL_MODULE = "pallas_kernels.quant_mosaic"
 CONFIG_CLASS = "QuantMosaicConfig"
 # About 16 KiB of input per CTA (16 rows x 512 bf16 at G = 128): 24 KiB of shared memory and about 64 values per
 # thread, so that several CTAs share an SM and their TMA loads overlap each other's compute.

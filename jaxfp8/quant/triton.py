@@ -6,7 +6,7 @@ import importlib
 
 from jaxfp8 import _platform
 
-KERNEL_MODULE = "jaxfp8.kernels.quant_triton"
+KERNEL_MODULE = "pallas_kernels.quant_triton"
 CONFIG_CLASS = "QuantTritonConfig"
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfp8.kernels.exact_division import divide_correctly_rounded
+from pallas_kernels.exact_division import divide_correctly_rounded
 
 CONFIG_CLASS = None  # no kernel, nothing to configure
 

@@ -40,7 +40,7 @@ from absl import flags
 
 from jaxfp8 import _platform, gemm
 from jaxfp8 import reference as ref
-from jaxfp8.kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil, split_k_steps
+from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil, split_k_steps
 from jaxfp8.tools import args, bench_gemm, timing
 from jaxfp8.tools import results as results_io
 

@@ -30,17 +30,16 @@ grid or one CTA per (item, column tile)); CTA clusters are not.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from .gemm_mosaic import (BLOCK, SMEM_BYTES, TMA_ROW_TILE, WGMMA_M, Dim, MosaicGemmConfig, initial_carry, in_specs,
-                          scaled_mma_step, zero_accumulators)
+from .gemm_mosaic_common import (BLOCK, SMEM_BYTES, WGMMA_M, Dim, MosaicGemmConfig, common_problems,
+                                 epilogue_slot_bytes, fit_smem, kernel_grid, pad_rows_for_tma, store_subtiles,
+                                 tile_loop, warp_specialized, zero_accumulators)
 
 EPILOGUE_ROW_BYTES = 128  # one TMA-aligned shared-memory row per output row of an epilogue piece
 ITEM_FIELDS = 5  # batch, group, row block, lo, hi
@@ -54,11 +53,7 @@ def epi_n(out_dtype) -> int:
 
 def config_problems(config: MosaicGemmConfig, n: int, out_dtype) -> list[str]:
   """Why `config` cannot run this kernel on N output columns of out_dtype (empty: it can)."""
-  try:
-    config.validate()
-  except ValueError as e:
-    return [str(e)]
-  problems = []
+  problems = common_problems(config, n, out_dtype, smem_bytes(config, out_dtype))
   if not config.warp_specialized:
     problems.append("the grouped kernel is warp-specialized only (warp_specialized=True)")
   if config.cluster_dim is not None:
@@ -71,15 +66,13 @@ def config_problems(config: MosaicGemmConfig, n: int, out_dtype) -> list[str]:
                     f"for {jnp.dtype(out_dtype).name} outputs")
   if config.epi_tile_n not in (None, width):
     problems.append(f"epi_tile_n must be None or {width} for {jnp.dtype(out_dtype).name} outputs (128-byte rows)")
-  if (smem := smem_bytes(config, out_dtype)) > SMEM_BYTES:
-    problems.append(f"config needs {smem} bytes of shared memory > {SMEM_BYTES}")
   return problems
 
 
 def smem_bytes(config: MosaicGemmConfig, out_dtype) -> int:
-  """The dense kernel's estimate with this kernel's epilogue buffers (two 64-row slots of 128 bytes per consumer)."""
-  dense_epilogue = config.num_wgs * 2 * WGMMA_M * config.epi_n(out_dtype) * jnp.dtype(out_dtype).itemsize
-  return config.smem_bytes(out_dtype) - dense_epilogue + config.num_wgs * 2 * WGMMA_M * EPILOGUE_ROW_BYTES
+  """The pipeline's stages and this kernel's epilogue slots (two 64-row slots of 128 bytes per consumer)."""
+  del out_dtype  # the slots' rows are 128 bytes whatever the dtype
+  return config.pipeline_smem_bytes() + epilogue_slot_bytes(config, EPILOGUE_ROW_BYTES)
 
 
 # ------------------------------------------------------------------------------------------- the work-item prologue
@@ -162,29 +155,18 @@ def _epilogue(accs, slots, out_gmem, row0, col0, lo, hi, cfg: MosaicGemmConfig):
 
   accs: the (64, sub_n) sub-tile accumulators; slots: this warpgroup's (2, 64, epi_n) buffers; out_gmem: (M_a, N).
   """
-  out_dtype = out_gmem.dtype
-  sub_n, width = cfg.sub_n, epi_n(out_dtype)
-  subs_n = cfg.wg_tile[1] // sub_n
+  sub_n, width = cfg.sub_n, epi_n(out_gmem.dtype)
   row_cap = min(WGMMA_M, out_gmem.shape[0])
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read the slots
-  slot = 0
-  for idx, acc in enumerate(accs):
-    i, j = divmod(idx, subs_n)
+
+  def store(slot, i, j, e):
     sub_row0 = row0 + i * WGMMA_M
     run_start = jnp.clip(lo - sub_row0, 0, WGMMA_M)
     run_len = jnp.clip(hi - sub_row0, 0, WGMMA_M) - run_start
-    out = acc.astype(out_dtype)
-    for e in range(sub_n // width):
-      piece = out if width == sub_n else out[:, e * width:(e + 1) * width]
-      col = col0 + j * sub_n + e * width
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store reading the other slot may still run
-      slots[slot] = piece
-      plgpu.commit_smem()
-      _store_run(slots.at[slot],
-                 lambda start, size, col=col, sub_row0=sub_row0: out_gmem.at[pl.ds(sub_row0 + start, size),
-                                                                            pl.ds(col, width)],
-                 run_start, run_len, row_cap)
-      slot = 1 - slot
+    col = col0 + j * sub_n + e * width
+    _store_run(slot, lambda start, size: out_gmem.at[pl.ds(sub_row0 + start, size), pl.ds(col, width)],
+               run_start, run_len, row_cap)
+
+  store_subtiles(accs, slots, cfg, width, lambda acc, i, j: acc.astype(out_gmem.dtype), store)
 
 
 # ------------------------------------------------------------------------------------------------------- the kernel
@@ -194,90 +176,33 @@ def _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *, cfg: Mosa
   """a_gmem (B, M_a, K), b_gmem (E, N, K), as_gmem (B, K/128, M_a'), bs_gmem (E, N/128, K/128), out_gmem (B, M_o, N),
   items_gmem int32 (ITEM_FIELDS, num_items)."""
   n, k = b_gmem.shape[1:]
-  num_k_blocks, num_n_blocks = k // BLOCK, n // BLOCK
-  n_iters = pl.cdiv(n, cfg.tile_n)
-  wg_m, wg_n = cfg.wg_tile
+  slots_type = plgpu.SMEM((cfg.num_compute_wgs, 2, WGMMA_M, epi_n(out_gmem.dtype)), out_gmem.dtype)
 
-  def get_pipeline(body, compute_context, m_idx=0, n_idx=0):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(pl.cdiv(num_k_blocks, cfg.k_blocks_per_step),),
-        memory_registers=40,
-        in_specs=in_specs(cfg, m_idx, n_idx),
-        wg_axis="wg",
-        num_compute_wgs=cfg.num_compute_wgs,
-        max_concurrent_steps=cfg.max_concurrent_steps,
-        compute_context=compute_context,
-    )
-
-  ignore = lambda *_, **__: None
-
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem.at[0], b_gmem.at[0], as_gmem.at[0]),
-      out_smem=plgpu.SMEM((cfg.num_compute_wgs, 2, WGMMA_M, epi_n(out_gmem.dtype)), out_gmem.dtype),
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, out_smem):
-    wg_idx = lax.axis_index("wg")
-    if cfg.wg_split == Dim.M and cfg.num_compute_wgs > 1:
-      wg_row0, wg_col0 = wg_idx * wg_m, 0
-    elif cfg.num_compute_wgs > 1:
-      wg_row0, wg_col0 = 0, wg_idx * wg_n
-    else:
-      wg_row0, wg_col0 = 0, 0
-
+  def body(compute_tile, slots, wg_idx, wg_origin):
     def tile(item, n_idx):
       batch, group, block, lo, hi = (items_gmem[f, item] for f in range(ITEM_FIELDS))
-      row0 = block * cfg.tile_m + wg_row0
-      col0 = n_idx * cfg.tile_n + wg_col0
       out_batch = out_gmem.at[batch]
-      slots = out_smem.at[jnp.minimum(wg_idx, cfg.num_compute_wgs - 1)]
+
+      def epilogue(accs, row0, col0):
+        _epilogue(accs, slots, out_batch, row0, col0, lo, hi, cfg)
 
       @pl.when((hi > lo) & (group != ZERO_GROUP))
       def _compute():
-        weight_scales = bs_gmem.at[group]
-
-        def compute_context(run_pipeline):
-          accs, _ = run_pipeline(initial_carry(weight_scales, col0, cfg, num_k_blocks, num_n_blocks))
-          _epilogue(accs, slots, out_batch, row0, col0, lo, hi, cfg)
-
-        def mma_body(indices, a_smem, b_smem, as_smem, carry):
-          (k_step,) = indices
-          return scaled_mma_step(
-              carry, a_smem.at[pl.ds(wg_row0, wg_m)], b_smem.at[pl.ds(wg_col0, wg_n)],
-              as_smem.at[:, pl.ds(wg_row0, wg_m)], weight_scales, k_step=k_step, col0=col0, cfg=cfg,
-              num_k_blocks=num_k_blocks, num_n_blocks=num_n_blocks)
-
-        get_pipeline(mma_body, compute_context, block, n_idx)(
-            a_gmem.at[batch], b_gmem.at[group], as_gmem.at[batch], allocations=pipeline_allocs)
+        compute_tile(a_gmem.at[batch], b_gmem.at[group], as_gmem.at[batch], bs_gmem.at[group], block, n_idx,
+                     epilogue)
 
       # Rows no group owns: the consumers store zeros (the producer has nothing to load).
       @pl.when((hi > lo) & (group == ZERO_GROUP) & (wg_idx < cfg.num_compute_wgs))
       def _zeros():
-        _epilogue(zero_accumulators(cfg), slots, out_batch, row0, col0, lo, hi, cfg)
+        epilogue(zero_accumulators(cfg), block * cfg.tile_m + wg_origin[0], n_idx * cfg.tile_n + wg_origin[1])
 
-    if cfg.persistent:
-      @plgpu.nd_loop((num_items * n_iters,), collective_axes="sm")
-      def _tile_loop(loop_info: plgpu.NDLoopInfo):
-        (lin_idx,) = loop_info.index
-        item, n_idx = plgpu.planar_snake(lin_idx, (num_items, n_iters), int(cfg.grid_minor_dim), cfg.grid_tile_width)
-        tile(item, n_idx)
-    else:
-      tile(lax.axis_index("m"), lax.axis_index("n"))
+    tile_loop(cfg, (num_items, pl.cdiv(n, cfg.tile_n)), tile)
 
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every TMA store lands before the kernel exits
+  warp_specialized(cfg, (a_gmem.at[0], b_gmem.at[0], as_gmem.at[0]), slots_type, body, num_k_blocks=k // BLOCK,
+                   num_n_blocks=n // BLOCK)
 
 
 # ------------------------------------------------------------------------------------------------------ the launchers
-
-
-def _pad_rows(a3: jax.Array) -> jax.Array:
-  """a (B, M_a, K) with zero rows appended so that the (8, 128)-tiled TMA view of each batch exists."""
-  rows = a3.shape[1]
-  if rows % TMA_ROW_TILE == 0 or rows < TMA_ROW_TILE:
-    return a3
-  return jnp.pad(a3, ((0, 0), (0, -rows % TMA_ROW_TILE), (0, 0)))
 
 
 def grouped_block_fp8_matmul(
@@ -291,15 +216,12 @@ def grouped_block_fp8_matmul(
   num_items = items.shape[1]
   out_dtype = jnp.dtype(out_dtype)
   n_iters = pl.cdiv(n, config.tile_n)
-  a3 = _pad_rows(a3)
+  a3 = pad_rows_for_tma(a3, 1)
 
   def body(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem):
     _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, cfg=config, num_items=num_items)
 
-  if config.persistent:
-    grid, grid_names = (max(min(config.grid_size or num_sms, num_items * n_iters), 1),), ("sm",)
-  else:
-    grid, grid_names = (n_iters, num_items), ("n", "m")
+  grid, grid_names = kernel_grid(config, (num_items, n_iters), num_sms)
   interpret_params: Any = plgpu.InterpretGPUParams() if interpret else None
   f = plgpu.kernel(
       body,
@@ -337,5 +259,6 @@ def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.b
                                   config=config, num_sms=num_sms, interpret=interpret)
 
 
-__all__ = ["MosaicGemmConfig", "Dim", "config_problems", "ragged_block_fp8_matmul", "masked_block_fp8_matmul",
-           "grouped_block_fp8_matmul", "work_items", "ragged_segments", "masked_segments", "epi_n", "smem_bytes"]
+__all__ = ["BLOCK", "SMEM_BYTES", "WGMMA_M", "Dim", "MosaicGemmConfig", "config_problems", "fit_smem",
+           "ragged_block_fp8_matmul", "masked_block_fp8_matmul", "grouped_block_fp8_matmul", "work_items",
+           "ragged_segments", "masked_segments", "epi_n", "smem_bytes"]
