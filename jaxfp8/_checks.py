@@ -58,6 +58,13 @@ def array(name: str, x, dtypes: Sequence[jnp.dtype], ndim: int | None = 2) -> No
     raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
 
 
+def one_of(name: str, value, choices: tuple, *, none: bool = True):
+  """value if it is one of `choices` (or None where `none`), else a ValueError naming the option."""
+  if (value is None and none) or (value is not None and value in choices):
+    return value
+  raise ValueError(f"{name} must be one of {choices}{' or None' if none else ''}, got {value!r}")
+
+
 def block_size(value) -> tuple[int, int]:
   """A weight scale block (gn, gk) of positive Python ints (static: a traced value is refused with the reason)."""
   if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):

@@ -30,7 +30,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
   raise ImportError("jaxfp8.nn needs Flax: pip install 'jaxfp8[nn]' (or pip install flax)") from e
 
-from jaxfp8 import _checks, gemm, linear, quant, weights
+from jaxfp8 import _checks, gemm, linear, weights
 from jaxfp8.weights import Fp8LinearWeight
 
 DEFAULT_BLOCK_SIZE = weights.DEFAULT_BLOCK_SIZE
@@ -109,10 +109,9 @@ class Fp8Linear(nnx.Module):
     gn, gk = _checks.block_size(block_size)
     in_features = _checks.positive_int("in_features", in_features)
     out_features = _checks.positive_int("out_features", out_features)
-    for name, value, allowed in (("implementation", implementation, linear.IMPLEMENTATIONS),
-                                 ("quant_implementation", quant_implementation, quant.IMPLEMENTATIONS)):
-      if value is not None and value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed} or None, got {value!r}")
+    # The linear's options check themselves (the one place they are validated).
+    linear.planner.LinearOptions(implementation=implementation, quant_implementation=quant_implementation,
+                                 interpret=interpret, backward=backward)
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
       raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if in_features % gk:
@@ -130,8 +129,6 @@ class Fp8Linear(nnx.Module):
     self.implementation = implementation
     self.quant_implementation = quant_implementation
     self.interpret = interpret
-    if backward not in linear.backward.BACKWARDS:
-      raise ValueError(f"backward must be one of {linear.backward.BACKWARDS}, got {backward!r}")
     self.backward = backward
     self.parallel = parallel
     self.mesh = mesh

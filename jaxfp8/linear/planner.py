@@ -18,8 +18,6 @@ from jax import lax
 from jaxfp8 import _checks, _platform, gemm, quant
 from jaxfp8.linear import backward
 
-EPS = 1e-10  # the default floor of a group's absolute maximum (docs/CONTRACT.md §1)
-
 
 @dataclasses.dataclass(frozen=True)
 class LinearOptions:
@@ -32,11 +30,8 @@ class LinearOptions:
   backward: str = "fp8"         # the gradient's mode (jaxfp8.linear.backward)
 
   def __post_init__(self):
-    if self.implementation is not None and self.implementation not in gemm.IMPLEMENTATIONS:
-      raise ValueError(f"implementation must be one of {gemm.IMPLEMENTATIONS} or None, got {self.implementation!r}")
-    if self.quant_implementation is not None and self.quant_implementation not in quant.IMPLEMENTATIONS:
-      raise ValueError(f"quant_implementation must be one of {quant.IMPLEMENTATIONS} or None, "
-                       f"got {self.quant_implementation!r}")
+    _checks.one_of("implementation", self.implementation, gemm.IMPLEMENTATIONS)
+    _checks.one_of("quant_implementation", self.quant_implementation, quant.IMPLEMENTATIONS)
     if self.row_alignment is not None:
       object.__setattr__(self, "row_alignment", _checks.positive_int("row_alignment", self.row_alignment))
     if self.config is not None and not (dataclasses.is_dataclass(self.config) and
@@ -44,8 +39,7 @@ class LinearOptions:
       raise TypeError(f"config must be a GEMM kernel config (TritonGemmConfig or MosaicGemmConfig), "
                       f"got {type(self.config).__name__}")
     object.__setattr__(self, "interpret", _checks.interpret(self.interpret))
-    if self.backward not in backward.BACKWARDS:
-      raise ValueError(f"backward must be one of {backward.BACKWARDS}, got {self.backward!r}")
+    _checks.one_of("backward", self.backward, backward.BACKWARDS, none=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +118,6 @@ class LinearPlan:
                       f"  rows: {self.row_reason}"])
 
 
-def _quant_family(gemm_implementation: str, device: _platform.Device, interpret: bool) -> tuple[str, str]:
-  """Each GEMM family quantizes with its own kernel, which writes the buffers that GEMM reads; the Mosaic GEMM falls
-  back to the Triton quantizer where its own is missing."""
-  if gemm_implementation == "mosaic" and (why := quant.planner.mosaic.unavailable(device, interpret)):
-    return "triton", f"the Mosaic GEMM's own quantizer is unavailable ({why}): the Triton quantizer"
-  return gemm_implementation, f"the {gemm_implementation} GEMM's own quantizer, writing the buffers it reads"
-
-
 def plan(m: int, n: int, k: int, block_size: tuple[int, int], out_dtype, x_dtype, options: LinearOptions,
          has_bias: bool = False, device: _platform.Device | None = None, masked: bool = False) -> LinearPlan:
   """The plans of a linear call of M rows (M = 0 plans as M = 1: nothing runs, but `explain` still answers), for
@@ -157,13 +143,10 @@ def _plan(m, n, k, block_size, out_dtype, x_dtype, options, has_bias, device, ma
       gemm.problem(m, n, k, block_size, rows=rows, out_dtype=out_dtype, a_s_column_major=column_major,
                    has_bias=has_bias, masked=masked),
       implementation=implementation, config=options.config, interpret=interpret, device=device, reason=reason)
-  if options.quant_implementation is None:
-    quant_implementation, quant_reason = _quant_family(implementation, device, interpret)
-  else:
-    quant_implementation, quant_reason = options.quant_implementation, (
-        f"quant_implementation={options.quant_implementation!r} was asked for")
+  quant_implementation, quant_reason = quant.planner.for_gemm(implementation, device, interpret,
+                                                              options.quant_implementation)
   quant_plan = quant.plan(
-      quant.problem(1, m, k, x_dtype, group_size=block_size[1], eps=EPS, row_alignment=alignment,
+      quant.problem(1, m, k, x_dtype, group_size=block_size[1], eps=quant.planner.DEFAULT_EPS, row_alignment=alignment,
                     scale_layout="col" if column_major else "row", scale_tma_aligned=column_major),
       implementation=quant_implementation, interpret=interpret, device=device, reason=quant_reason,
       option="quant_implementation")

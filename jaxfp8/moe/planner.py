@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform, grouped, quant
 
-EPS = 1e-10  # the default floor of a group's absolute maximum (docs/CONTRACT.md §1)
 LAYOUT_REASON = ("ragged: the rows sorted by expert, one grouped GEMM per projection (the masked layout has not been "
                  "measured faster on a GPU yet)")
 
@@ -29,11 +28,8 @@ class MoeOptions:
   interpret: bool | None = None
 
   def __post_init__(self):
-    if self.implementation is not None and self.implementation not in grouped.IMPLEMENTATIONS:
-      raise ValueError(f"implementation must be one of {grouped.IMPLEMENTATIONS} or None, got {self.implementation!r}")
-    if self.quant_implementation is not None and self.quant_implementation not in quant.IMPLEMENTATIONS:
-      raise ValueError(f"quant_implementation must be one of {quant.IMPLEMENTATIONS} or None, "
-                       f"got {self.quant_implementation!r}")
+    _checks.one_of("implementation", self.implementation, grouped.IMPLEMENTATIONS)
+    _checks.one_of("quant_implementation", self.quant_implementation, quant.IMPLEMENTATIONS)
     object.__setattr__(self, "interpret", _checks.interpret(self.interpret))
 
 
@@ -75,12 +71,6 @@ class MoePlan:
         f"  down: {self.down}"])
 
 
-def _quant_family(gemm_implementation: str, device: _platform.Device, interpret: bool) -> tuple[str, str]:
-  if gemm_implementation == "mosaic" and (why := quant.planner.mosaic.unavailable(device, interpret)):
-    return "triton", f"the Mosaic GEMM's own quantizer is unavailable ({why}): the Triton quantizer"
-  return gemm_implementation, f"the {gemm_implementation} grouped GEMM's own quantizer, writing the buffers it reads"
-
-
 def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, block_size: tuple[int, int], x_dtype,
          options: MoeOptions = MoeOptions(), device: _platform.Device | None = None,
          routed_rows: int | None = None) -> MoePlan:
@@ -103,15 +93,12 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   column_major = implementation != "xla"  # the kernels read column-major scales; XLA needs no transpose
   gate_up = gemm_plan(2 * intermediate, hidden, x_dtype, column_major, implementation)
   down = gemm_plan(hidden, intermediate, jnp.float32, column_major, implementation)
-  if options.quant_implementation is None:
-    quant_implementation, quant_reason = _quant_family(implementation, device, interpret)
-  else:
-    quant_implementation, quant_reason = (options.quant_implementation,
-                                          f"quant_implementation={options.quant_implementation!r} was asked for")
+  quant_implementation, quant_reason = quant.planner.for_gemm(implementation, device, interpret,
+                                                              options.quant_implementation, "grouped GEMM")
   layout = dict(scale_layout="col" if column_major else "row", scale_tma_aligned=column_major)
 
   def quant_plan(m, k_in, fused):
-    p = quant.problem(1, m, k_in, x_dtype, group_size=gk, eps=EPS, fuse_silu_and_mul=fused, **layout)
+    p = quant.problem(1, m, k_in, x_dtype, group_size=gk, eps=quant.planner.DEFAULT_EPS, fuse_silu_and_mul=fused, **layout)
     return quant.plan(p, implementation=quant_implementation, interpret=interpret, device=device,
                       reason=quant_reason, option="quant_implementation")
 

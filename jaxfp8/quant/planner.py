@@ -24,6 +24,7 @@ SCALE_LAYOUTS = ("row", "col", "col_packed")
 # On the H200 the Triton kernel is up to 0.16 us faster than the Mosaic one below about half a million values (a
 # launch-bound regime), and the Mosaic kernel is faster above (up to 1.4x at 16384 x 18432); benchmarks/README.md.
 MOSAIC_MIN_ELEMENTS = 1 << 19
+DEFAULT_EPS = 1e-10  # the floor of a group's absolute maximum when the caller gives none (docs/CONTRACT.md §1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,18 @@ class QuantProblem:
   def scale_rows(self) -> int:
     """Rows the scales cover: out_rows, or the column-major scales' (TMA-padded) columns."""
     return self.out_rows if self.scale_layout == "row" else self.scale_cols
+
+
+def for_gemm(gemm_implementation: str, device: _platform.Device, interpret: bool, asked: str | None = None,
+             gemm_kind: str = "GEMM") -> tuple[str, str]:
+  """(implementation, reason) of the quantizer that feeds a GEMM: the one `asked` for (quant_implementation), else the
+  GEMM family's own kernel, which writes the buffers that GEMM reads; the Mosaic GEMM falls back to the Triton
+  quantizer where its own is unavailable."""
+  if asked is not None:
+    return asked, f"quant_implementation={asked!r} was asked for"
+  if gemm_implementation == "mosaic" and (why := mosaic.unavailable(device, interpret)):
+    return "triton", f"the Mosaic {gemm_kind}'s own quantizer is unavailable ({why}): the Triton quantizer"
+  return gemm_implementation, f"the {gemm_implementation} {gemm_kind}'s own quantizer, writing the buffers it reads"
 
 
 def problem(batch: int, rows: int, k_in: int, dtype, *, group_size: int, eps: float, row_alignment: int = 1,
