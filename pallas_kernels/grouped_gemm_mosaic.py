@@ -78,12 +78,15 @@ def smem_bytes(config: MosaicGemmConfig, out_dtype) -> int:
 # ------------------------------------------------------------------------------------------- the work-item prologue
 
 
-def ragged_segments(group_sizes: jax.Array, m: int) -> tuple[jax.Array, ...]:
-  """(batch, group, lo, hi) of the ragged layout: the E groups in order, then the zero rows past them."""
+def ragged_segments(group_sizes: jax.Array, m: int, zero_unowned_rows: bool = True) -> tuple[jax.Array, ...]:
+  """(batch, group, lo, hi) of the ragged layout: the E groups in order, then (with zero_unowned_rows) the zero rows
+  past them."""
   num_groups = group_sizes.shape[0]
   sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)  # clipped first: the cumulative sum cannot overflow
   ends = jnp.minimum(jnp.cumsum(sizes), m)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  if not zero_unowned_rows:
+    return jnp.zeros((num_groups,), jnp.int32), jnp.arange(num_groups, dtype=jnp.int32), starts, ends
   total = ends[-1:] if num_groups else jnp.zeros((1,), jnp.int32)
   batch = jnp.zeros((num_groups + 1,), jnp.int32)
   group = jnp.concatenate([jnp.arange(num_groups, dtype=jnp.int32), jnp.full((1,), ZERO_GROUP, jnp.int32)])
@@ -92,11 +95,14 @@ def ragged_segments(group_sizes: jax.Array, m: int) -> tuple[jax.Array, ...]:
   return batch, group, lo, hi
 
 
-def masked_segments(masked_m: jax.Array, rows: int) -> tuple[jax.Array, ...]:
-  """(batch, group, lo, hi) of the masked layout: group e's live rows of batch e, then its zero rows."""
+def masked_segments(masked_m: jax.Array, rows: int, zero_unowned_rows: bool = True) -> tuple[jax.Array, ...]:
+  """(batch, group, lo, hi) of the masked layout: group e's live rows of batch e, then (with zero_unowned_rows) its
+  zero rows."""
   num_groups = masked_m.shape[0]
   live = jnp.clip(masked_m.astype(jnp.int32), 0, rows)
   experts = jnp.arange(num_groups, dtype=jnp.int32)
+  if not zero_unowned_rows:
+    return experts, experts, jnp.zeros((num_groups,), jnp.int32), live
   batch = jnp.concatenate([experts, experts])
   group = jnp.concatenate([experts, jnp.full((num_groups,), ZERO_GROUP, jnp.int32)])
   lo = jnp.concatenate([jnp.zeros((num_groups,), jnp.int32), live])
@@ -123,12 +129,15 @@ def work_items(segments: tuple[jax.Array, ...], tile_m: int, num_items: int) -> 
 
 
 def ragged_num_items(m: int, num_groups: int, tile_m: int) -> int:
-  """The most work items a ragged problem can have: the row tiles, plus one per boundary between segments."""
-  return pl.cdiv(m, tile_m) + num_groups
+  """The most work items a ragged problem can have. The segments partition the M rows, so their row tiles number at
+  most the tiles of M plus one per boundary between two non-empty segments, and there are at most min(E + 1, M)
+  non-empty segments (each holds a row; E groups and the zero rows): few items at decode, however many experts."""
+  return max(pl.cdiv(m, tile_m) + min(num_groups, m - 1), 1)
 
 
-def masked_num_items(num_groups: int, rows: int, tile_m: int) -> int:
-  return num_groups * (pl.cdiv(rows, tile_m) + 1)
+def masked_num_items(num_groups: int, rows: int, tile_m: int, zero_unowned_rows: bool = True) -> int:
+  """Each expert's live rows and its zero rows split its buffer once: at most one item more than its row tiles."""
+  return max(num_groups * (pl.cdiv(rows, tile_m) + int(zero_unowned_rows)), 1)
 
 
 # ---------------------------------------------------------------------------------------------------------- epilogue
@@ -236,12 +245,14 @@ def grouped_block_fp8_matmul(
 
 
 def ragged_block_fp8_matmul(a_q, b_q, a_s_col, b_s, group_sizes, *, out_dtype=jnp.bfloat16,
-                            config: MosaicGemmConfig, num_sms: int, interpret: bool = False) -> jax.Array:
+                            config: MosaicGemmConfig, num_sms: int, zero_unowned_rows: bool = True,
+                            interpret: bool = False) -> jax.Array:
   """The ragged layout: a_q (M, K), a_s_col (K/128, M') column-major (M' >= M, M' % 4 == 0), b_q (E, N, K),
-  b_s (E, N/128, K/128), group_sizes int32 (E,). Returns (M, N)."""
+  b_s (E, N/128, K/128), group_sizes int32 (E,). Returns (M, N); the rows past the groups are zeros, or with
+  zero_unowned_rows=False not written at all (for a caller that never reads them)."""
   m = a_q.shape[0]
   num_groups = b_q.shape[0]
-  items = work_items(ragged_segments(group_sizes, m), config.tile_m,
+  items = work_items(ragged_segments(group_sizes, m, zero_unowned_rows), config.tile_m,
                      ragged_num_items(m, num_groups, config.tile_m))
   out = grouped_block_fp8_matmul(a_q[None], b_q, a_s_col[None], b_s, items, out_rows=m, out_dtype=out_dtype,
                                  config=config, num_sms=num_sms, interpret=interpret)
@@ -249,12 +260,14 @@ def ragged_block_fp8_matmul(a_q, b_q, a_s_col, b_s, group_sizes, *, out_dtype=jn
 
 
 def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.bfloat16,
-                            config: MosaicGemmConfig, num_sms: int, interpret: bool = False) -> jax.Array:
+                            config: MosaicGemmConfig, num_sms: int, zero_unowned_rows: bool = True,
+                            interpret: bool = False) -> jax.Array:
   """The masked layout: a_q (E, T, K), a_s_col (E, K/128, T') column-major (T' >= T, T' % 4 == 0), b_q (E, N, K),
-  b_s (E, N/128, K/128), masked_m int32 (E,). Returns (E, T, N)."""
+  b_s (E, N/128, K/128), masked_m int32 (E,). Returns (E, T, N); rows past masked_m are zeros, or with
+  zero_unowned_rows=False not written."""
   num_groups, rows = a_q.shape[:2]
-  items = work_items(masked_segments(masked_m, rows), config.tile_m,
-                     masked_num_items(num_groups, rows, config.tile_m))
+  items = work_items(masked_segments(masked_m, rows, zero_unowned_rows), config.tile_m,
+                     masked_num_items(num_groups, rows, config.tile_m, zero_unowned_rows))
   return grouped_block_fp8_matmul(a_q, b_q, a_s_col, b_s, items, out_rows=rows, out_dtype=out_dtype,
                                   config=config, num_sms=num_sms, interpret=interpret)
 

@@ -32,6 +32,7 @@ from absl import app, flags
 
 from jaxfp8 import _platform, grouped, moe, quant
 from jaxfp8 import reference as ref
+from jaxfp8.moe import layer as moe_layer
 from jaxfp8.moe import planner as moe_planner
 from jaxfp8.tools import bench, results, timing
 
@@ -80,35 +81,21 @@ def _route_fn(router):
 
 
 def _fp8_ops(plan: moe_planner.MoePlan):
-  """The layer's ops as separate jitted functions (the planner's own steps, in its order)."""
+  """The layer's steps (jaxfp8/moe/layer.py) as separate jitted functions, in its order."""
   def sort(ids):
-    return moe_planner.sort_by_expert(ids, plan.experts)
+    return moe_layer.dispatch(ids, plan.experts)
 
-  def quantize(x):
-    q, s = quant.planner.run(x[None], None, plan=plan.quant_x)
-    return q[0], s[0]
+  def permute(x_q, x_s, d, k):
+    return moe_layer.permute(x_q, x_s, jnp.arange(d.order.shape[0], dtype=jnp.int32) // k, d, plan)
 
-  def permute(x_q, x_s, order, k):
-    rows = (jnp.arange(order.shape[0], dtype=jnp.int32) // k)[order]
-    return x_q[rows], (x_s[:, rows] if plan.column_major else x_s[rows])
+  def combine(y, d, ids, weights):
+    return moe_layer.combine(y, d, weights, (ids >= 0) & (ids < plan.experts), jnp.bfloat16)
 
-  def gate_up(a_q, a_s, sizes, w13_q, w13_s):
-    return grouped.planner.run(a_q, w13_q, a_s, w13_s, sizes, plan=plan.gate_up)
-
-  def silu_quant(h):
-    q, s = quant.planner.run(h[None], None, plan=plan.quant_h)
-    return q[0], s[0]
-
-  def down(h_q, h_s, sizes, w2_q, w2_s):
-    return grouped.planner.run(h_q, w2_q, h_s, w2_s, sizes, plan=plan.down)
-
-  def combine(y, order, ids, weights):
-    t, k = weights.shape
-    slots = moe_planner.unsort(y, order).reshape(t, k, -1)
-    return moe_planner.combine(slots, weights, (ids >= 0) & (ids < plan.experts), jnp.bfloat16)
-
-  return dict(sort=jax.jit(sort), quantize=jax.jit(quantize), permute=jax.jit(permute, static_argnums=3),
-              gate_up=jax.jit(gate_up), silu_quant=jax.jit(silu_quant), down=jax.jit(down),
+  return dict(sort=jax.jit(sort), quantize=jax.jit(lambda x: moe_layer.quantize(x, plan)),
+              permute=jax.jit(permute, static_argnums=3),
+              gate_up=jax.jit(lambda a_q, a_s, d, w, s: moe_layer.gate_up(a_q, a_s, d, w, s, plan)),
+              silu_quant=jax.jit(lambda h, d: moe_layer.silu_quant(h, d, plan)),
+              down=jax.jit(lambda h_q, h_s, d, w, s: moe_layer.down(h_q, h_s, d, w, s, plan)),
               combine=jax.jit(combine))
 
 
@@ -117,7 +104,8 @@ def _bf16_layer(dot):
   def layer(x, ids, weights, w13, w2):
     t, k = ids.shape
     experts = w13.shape[0]
-    order, sizes = moe_planner.sort_by_expert(ids, experts)
+    d = moe_layer.dispatch(ids, experts)
+    order, sizes = d.order, d.group_sizes
     a = x[(jnp.arange(t * k, dtype=jnp.int32) // k)[order]]
     h = dot(a, w13, sizes)
     i = h.shape[1] // 2
@@ -125,8 +113,7 @@ def _bf16_layer(dot):
     y = dot(act, w2, sizes).astype(jnp.float32)
     owned = jnp.arange(t * k) < sizes.sum()
     y = jnp.where(owned[:, None], y, 0.0)  # rows past the groups: ragged_dot leaves them zero; a kernel may not
-    slots = moe_planner.unsort(y, order).reshape(t, k, -1)
-    return moe_planner.combine(slots, weights, (ids >= 0) & (ids < experts), jnp.bfloat16)
+    return moe_layer.combine(y, d, weights, (ids >= 0) & (ids < experts), jnp.bfloat16)
   return layer
 
 
@@ -191,19 +178,19 @@ def run_layer(name, tokens, *, iterations, seed, on_gpu, log=print) -> list[dict
            within_bound=bool(err <= 1e-2))
     ops = _fp8_ops(plan)
     record("fp8.route", time_us(route, [(x, gate_weight, bias)]))
-    order, sizes = ops["sort"](ids)
+    d = ops["sort"](ids)
     record("fp8.sort", time_us(ops["sort"], [(ids,)]))
     x_q, x_s = ops["quantize"](x)
     record("fp8.quantize", time_us(ops["quantize"], [(x,)]))
-    a_q, a_s = ops["permute"](x_q, x_s, order, top_k)
-    record("fp8.permute", time_us(lambda *a: ops["permute"](*a, top_k), [(x_q, x_s, order)]))
-    hid = ops["gate_up"](a_q, a_s, sizes, w13_q, w13_s)
-    record("fp8.gate_up", time_us(ops["gate_up"], [(a_q, a_s, sizes, w13_q, w13_s)]))
-    h_q, h_s = ops["silu_quant"](hid)
-    record("fp8.silu_quant", time_us(ops["silu_quant"], [(hid,)]))
-    y = ops["down"](h_q, h_s, sizes, w2_q, w2_s)
-    record("fp8.down", time_us(ops["down"], [(h_q, h_s, sizes, w2_q, w2_s)]))
-    record("fp8.combine", time_us(ops["combine"], [(y, order, ids, weights)]))
+    a_q, a_s = ops["permute"](x_q, x_s, d, top_k)
+    record("fp8.permute", time_us(lambda *a: ops["permute"](*a, top_k), [(x_q, x_s, d)]))
+    hid = ops["gate_up"](a_q, a_s, d, w13_q, w13_s)
+    record("fp8.gate_up", time_us(ops["gate_up"], [(a_q, a_s, d, w13_q, w13_s)]))
+    h_q, h_s = ops["silu_quant"](hid, d)
+    record("fp8.silu_quant", time_us(ops["silu_quant"], [(hid, d)]))
+    y = ops["down"](h_q, h_s, d, w2_q, w2_s)
+    record("fp8.down", time_us(ops["down"], [(h_q, h_s, d, w2_q, w2_s)]))
+    record("fp8.combine", time_us(ops["combine"], [(y, d, ids, weights)]))
     by_op = {r["contender"]: r["us"] for r in rows if r["tokens"] == t and r["layer"] == name}
     op_sum = sum(us for c, us in by_op.items() if c.startswith("fp8.") and c != "fp8.layer")
     gemm = sum(by_op[f"fp8.{op}"] for op in GEMM_OPS)

@@ -239,6 +239,38 @@ def test_mosaic_ragged_interpreted(rng, kind):
 
 
 @needs_mosaic
+@pytest.mark.parametrize("layout", ["ragged", "masked"])
+def test_mosaic_leaves_unowned_rows_unwritten_when_asked(rng, layout):
+  """zero_unowned_rows=False (the MoE layer's internal plan): the owned rows are the same, the others are never
+  stored, so the interpreter's NaN fill of fresh buffers stays there."""
+  from jaxfp8 import grouped
+  config = KINDS["ws1_64x128_k2_ahead"]
+  if layout == "ragged":
+    sizes, rows = [70, 0, 1, 60, 0, 10], 150
+    args, expect = _ragged_case(rng, sizes, rows, 256, 384, column_major=True)
+    owned = np.arange(rows) < sum(sizes)
+    counts = args[4]
+  else:
+    rows, counts_list = 70, [5, 0, 70, 33]
+    args, expect = _masked_case(rng, counts_list, rows, 256, 256, column_major=True)
+    owned = np.arange(rows)[None, :] < np.asarray(counts_list)[:, None]
+    counts = args[4]
+  a_q, b_q, a_s, b_s = args[:4]
+  e = b_q.shape[0]
+  outs = []
+  for zero in (True, False):
+    p = grouped.problem(layout, e, rows, b_q.shape[1], b_q.shape[2], (128, 128), out_dtype=jnp.float32,
+                        a_s_column_major=True, zero_unowned_rows=zero)
+    plan = grouped.plan(p, implementation="mosaic", config=config, interpret=True)
+    assert zero or "left unwritten" in str(plan)
+    outs.append(np.asarray(grouped.planner.run(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s),
+                                               jnp.asarray(b_s), jnp.asarray(counts), plan=plan)))
+  zeroed, unwritten = outs
+  np.testing.assert_array_equal(unwritten[owned], zeroed[owned])
+  assert (zeroed[~owned] == 0).all() and np.isnan(unwritten[~owned]).all()
+
+
+@needs_mosaic
 @pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_m_128x128_k2"])
 def test_mosaic_masked_interpreted(rng, kind):
   # T = 70 rows per expert (partial row tiles, T % 8 != 0), one expert empty, one full, counts past T clipped.
@@ -266,21 +298,46 @@ def _items_cover(items, segments, tile_m):
   live = items[:, items[4] > items[3]]
   is_zero = live[1] == ggm.ZERO_GROUP
   assert not (is_zero[:-1] & ~is_zero[1:]).any()
+  return live.shape[1]
+
+
+def _random_sizes(rng, e, m):
+  kind = rng.integers(4)
+  if kind == 0:  # one row per group where they fit: the most segment boundaries
+    return np.where(np.arange(e) < m, 1, 0).astype(np.int32)
+  if kind == 1:  # a few rows per group, boundaries everywhere inside the tiles
+    return rng.integers(0, 4, e).astype(np.int32)
+  sizes = rng.integers(-3, 3 * m // e + 2, e).astype(np.int32)
+  sizes[rng.random(e) < 0.3] = 0
+  return sizes
 
 
 @pytest.mark.parametrize("tile_m", [64, 128])
-def test_work_items_cover_every_row_once(rng, tile_m):
-  for _ in range(20):
-    e = int(rng.integers(1, 9))
-    m = int(rng.integers(1, 400))
-    sizes = rng.integers(-3, 3 * m // e + 2, e).astype(np.int32)
-    sizes[rng.random(e) < 0.3] = 0
-    segments = ggm.ragged_segments(jnp.asarray(sizes), m)
-    _items_cover(ggm.work_items(segments, tile_m, ggm.ragged_num_items(m, e, tile_m)), segments, tile_m)
+@pytest.mark.parametrize("zero_unowned_rows", [True, False])
+def test_work_items_cover_every_row_once(rng, tile_m, zero_unowned_rows):
+  """The item table's static size bounds every routing: decode-sized M with many experts included (the bound
+  follows min(E, M), not E)."""
+  for _ in range(30):
+    e = int(rng.choice([1, 3, 8, 32, 128, 300]))
+    m = int(rng.choice([1, 2, 7, 8, 63, 64, 65, int(rng.integers(1, 400))]))
+    sizes = _random_sizes(rng, e, m)
+    segments = ggm.ragged_segments(jnp.asarray(sizes), m, zero_unowned_rows)
+    used = _items_cover(ggm.work_items(segments, tile_m, ggm.ragged_num_items(m, e, tile_m)), segments, tile_m)
+    assert used <= ggm.ragged_num_items(m, e, tile_m)
     t = int(rng.integers(1, 200))
     masked_m = rng.integers(-2, t + 3, e).astype(np.int32)
-    segments = ggm.masked_segments(jnp.asarray(masked_m), t)
-    _items_cover(ggm.work_items(segments, tile_m, ggm.masked_num_items(e, t, tile_m)), segments, tile_m)
+    segments = ggm.masked_segments(jnp.asarray(masked_m), t, zero_unowned_rows)
+    _items_cover(ggm.work_items(segments, tile_m, ggm.masked_num_items(e, t, tile_m, zero_unowned_rows)), segments,
+                 tile_m)
+
+
+def test_ragged_item_bound_is_reached():
+  """One row per group in one row tile, the zero row after them: every item the bound allows is needed."""
+  for m, e, tile_m in ((8, 128, 64), (64, 128, 64), (50, 300, 64), (100, 300, 128)):
+    sizes = np.where(np.arange(e) < m - 1, 1, 0).astype(np.int32)  # m - 1 groups of one row, then one zero row
+    segments = ggm.ragged_segments(jnp.asarray(sizes), m)
+    bound = ggm.ragged_num_items(m, e, tile_m)
+    assert _items_cover(ggm.work_items(segments, tile_m, bound), segments, tile_m) == bound == m
 
 
 # ------------------------------------------------------------------------------------------- lowering for an H200

@@ -24,7 +24,7 @@ import pytest
 from jaxfp8 import _platform, moe
 from jaxfp8 import _transforms as transforms
 from jaxfp8 import reference as ref
-from jaxfp8.moe import planner as moe_planner
+from jaxfp8.moe import layer as moe_layer
 from jaxfp8.moe.weights import MoeWeights, load_hf_moe, save_hf_moe
 from jaxfp8.weights import Fp8LinearWeight
 
@@ -319,10 +319,12 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_sort_by_expert_is_stable_and_puts_outside_ids_last():
-  order, sizes = moe_planner.sort_by_expert(jnp.array([[2, -1], [0, 2], [5, 0]], jnp.int32), 3)
-  np.testing.assert_array_equal(np.asarray(sizes), [2, 0, 2])
-  np.testing.assert_array_equal(np.asarray(order), [2, 5, 0, 3, 1, 4])  # stable; ids outside [0, 3) last
+def test_dispatch_is_stable_and_puts_outside_ids_last():
+  d = moe_layer.dispatch(jnp.array([[2, -1], [0, 2], [5, 0]], jnp.int32), 3)
+  np.testing.assert_array_equal(np.asarray(d.group_sizes), [2, 0, 2])
+  np.testing.assert_array_equal(np.asarray(d.order), [2, 5, 0, 3, 1, 4])  # stable; ids outside [0, 3) last
+  np.testing.assert_array_equal(np.asarray(d.order)[np.asarray(d.rank)], np.arange(6))  # rank inverts order
+  assert int(d.live) == 4
 
 
 # ------------------------------------------------------------------------------------------- expert parallelism
@@ -509,3 +511,61 @@ def test_bench_script_runs_and_checks_the_layer(tmp_path):
   assert {"fp8.layer", "fp8.gate_up", "fp8.down", "fp8.combine", "fp8.ops_summed", "bf16.ragged_dot.layer"} <= contenders
   assert all(r["within_bound"] for r in rows if r["contender"] == "fp8.layer") and len(rows) == 2 * len(contenders)
   assert (tmp_path / "moe.md").read_text().startswith("| layer |")
+
+
+def _scatter_combine(y, topk_ids, topk_weights, experts, out_dtype):
+  """The combine the layer had before its gather: the expert-order rows scattered back to slot order (the rows of no
+  expert written as zeros, as the GEMMs once did), then sum over slots of w * y."""
+  t, k = topk_ids.shape
+  d = moe_layer.dispatch(topk_ids, experts)
+  owned = jnp.arange(y.shape[0])[:, None] < d.live
+  y_slots = jnp.zeros_like(y).at[d.order].set(jnp.where(owned, y, 0.0), unique_indices=True).reshape(t, k, -1)
+  valid = (topk_ids >= 0) & (topk_ids < experts)
+  weights = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
+  acc = jnp.zeros((t, y.shape[1]), jnp.float32)
+  for j in range(k):
+    acc = acc + weights[:, j, None] * y_slots[:, j]
+  return acc.astype(out_dtype)
+
+
+def _combine_case(rng, out_dtype):
+  t, k, e, h = int(rng.integers(1, 80)), int(rng.integers(1, 9)), int(rng.integers(1, 40)), int(rng.integers(1, 300))
+  ids = rng.integers(-3, e + 3, (t, k)).astype(np.int32)
+  weights = rng.standard_normal((t, k)).astype(np.float32)
+  weights[(ids < 0) | (ids >= e)] = rng.choice([np.inf, np.nan, 1e30])
+  y = rng.standard_normal((t * k, h)).astype(np.float32) * np.float32(rng.choice([1e-3, 1.0, 1e20]))
+  y[int(moe_layer.dispatch(jnp.asarray(ids), e).live):] = np.nan  # rows past the live ones: never written
+  new = jax.jit(lambda y, ids, w: moe_layer.combine(y, moe_layer.dispatch(ids, e), w, (ids >= 0) & (ids < e),
+                                                    out_dtype))(jnp.asarray(y), jnp.asarray(ids), jnp.asarray(weights))
+  old = jax.jit(lambda y, ids, w: _scatter_combine(y, ids, w, e, out_dtype))(jnp.asarray(y), jnp.asarray(ids),
+                                                                              jnp.asarray(weights))
+  valid = (ids >= 0) & (ids < e)
+  bound = np.zeros((t, h), np.float32)  # sum over the valid slots of |w * y|: the products' rounding scale
+  rows = np.asarray(moe_layer.dispatch(jnp.asarray(ids), e).rank).reshape(t, k)
+  for j in range(k):
+    bound += np.where(valid[:, j, None], np.abs(weights[:, j, None] * y[np.where(valid[:, j], rows[:, j], 0)]), 0)
+  return np.asarray(new, np.float32), np.asarray(old, np.float32), bound, valid
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_gather_combine_matches_the_scatter_combine(rng, out_dtype):
+  """The gather through the inverse order against the scatter combine it replaced, both jitted, whatever the rows of
+  no expert hold (NaN here) and whatever weight such a slot carries: the same sum in slot order, so equal up to
+  whether XLA fuses a product into an FMA (on CPU that follows its vectorization; the GPU test below checks bits)."""
+  for _ in range(6):
+    new, old, bound, valid = _combine_case(rng, out_dtype)
+    assert np.isfinite(new[~valid.any(1)]).all() and (new[~valid.any(1)] == 0).all()
+    np.testing.assert_array_equal(np.isnan(new), np.isnan(old))
+    close = np.abs(new - old) <= 2 * np.finfo(np.float32).eps * valid.shape[1] * bound + (
+        0 if out_dtype == jnp.float32 else np.abs(old) * 2.0**-7)
+    assert close[np.isfinite(old)].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_gather_combine_is_bit_identical_to_the_scatter_combine(rng, out_dtype):
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  for _ in range(6):
+    new, old, _, _ = _combine_case(rng, out_dtype)
+    np.testing.assert_array_equal(new.view(np.uint32), old.view(np.uint32))

@@ -100,4 +100,5 @@ def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device:
   K = _kernel()
   f = K.ragged_block_fp8_matmul if problem.layout == "ragged" else K.masked_block_fp8_matmul
   return f(a_q, b_q, _column_major(a_s, problem.rows, problem.a_s_column_major), b_s, counts,
-           out_dtype=problem.out_dtype, config=config, num_sms=device.num_sms, interpret=interpret)
+           out_dtype=problem.out_dtype, config=config, num_sms=device.num_sms,
+           zero_unowned_rows=problem.zero_unowned_rows, interpret=interpret)

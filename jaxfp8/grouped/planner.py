@@ -33,6 +33,9 @@ class GroupedProblem:
   block_size: tuple[int, int]
   out_dtype: str
   a_s_column_major: bool = False
+  # False: the rows no group owns (past the groups, past masked_m) are left unspecified instead of written as zeros,
+  # for a caller that never reads them (the MoE layer); a kernel then neither computes nor stores them.
+  zero_unowned_rows: bool = True
 
   @property
   def empty(self) -> bool:
@@ -44,11 +47,11 @@ class GroupedProblem:
 
 
 def problem(layout: str, groups: int, rows: int, n: int, k: int, block_size, *, out_dtype=jnp.bfloat16,
-            a_s_column_major: bool = False) -> GroupedProblem:
+            a_s_column_major: bool = False, zero_unowned_rows: bool = True) -> GroupedProblem:
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   return GroupedProblem(layout, int(groups), int(rows), int(n), int(k), tuple(block_size), jnp.dtype(out_dtype).name,
-                        bool(a_s_column_major))
+                        bool(a_s_column_major), bool(zero_unowned_rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +68,8 @@ class GroupedPlan:
   def __str__(self) -> str:
     mode = " (interpreted)" if self.interpret and self.implementation != "xla" else ""
     config = f"; config {self.config} ({self.config_reason})" if self.config is not None else ""
-    return f"{self.implementation} {self.problem.layout} grouped GEMM{mode}: {self.reason}{config}"
+    unowned = "" if self.problem.zero_unowned_rows else "; rows no group owns left unwritten (never read)"
+    return f"{self.implementation} {self.problem.layout} grouped GEMM{mode}: {self.reason}{config}{unowned}"
 
 
 def _default(p: GroupedProblem, device: _platform.Device, interpret: bool) -> tuple[str, str]:

@@ -1,6 +1,6 @@
 """The FP8 mixture-of-experts layer (docs/CONTRACT.md §8): `fp8_moe`, `fp8_moe_from_logits`, `explain`.
 
-Validation happens once here; `planner.plan` makes every decision and `planner.forward` runs it.
+Validation happens once here; `planner.plan` makes every decision and `layer.forward` runs its steps.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxfp8 import _checks
 from jaxfp8 import _transforms as transforms
 from jaxfp8.gemm.api import FP8
-from jaxfp8.moe import planner, routing
+from jaxfp8.moe import layer, planner, routing
 
 F32 = jnp.dtype(jnp.float32)
 I32 = jnp.dtype(jnp.int32)
@@ -110,7 +110,7 @@ def transformable(plan: planner.MoePlan):
 
 @functools.partial(jax.jit, static_argnames=("plan",))
 def _forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, *, plan: planner.MoePlan):
-  return planner.forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan)
+  return layer.forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan)
 
 
 def validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size):

@@ -3,7 +3,7 @@
 
 Every device holds T/P tokens and E/P experts. It quantizes its tokens once, writes each routed row (codes and scales)
 into a send buffer slot of the device that holds the row's expert, and one all-to-all delivers them; each device then
-runs its experts on the rows it received (the single-device layer's `experts_on_rows`), a second all-to-all returns
+runs its experts on the rows it received (the single-device layer's `layer.experts_on_rows`), a second all-to-all returns
 the float32 results, and each device combines its tokens' slots. The buffers have room for every routed row of a
 device toward every peer, so no row is ever dropped (a capacity limit would be a silent wrong answer); their size,
 P x (T/P x k) rows per device, is the price.
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxfp8 import _mesh, quant
-from jaxfp8.moe import api, planner
+from jaxfp8.moe import api, layer, planner
 
 
 def _slot_positions(dst: jax.Array, devices: int) -> jax.Array:
@@ -52,14 +52,14 @@ def _per_device(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, *, plan: pl
   recv_scales = exchange(send_scales).reshape(devices * capacity, -1)
   expert = exchange(send_expert).reshape(-1)
 
-  order, group_sizes = planner.sort_by_expert(expert, local_experts)
+  d = layer.dispatch(expert, local_experts)
   rows = jnp.arange(devices * capacity, dtype=jnp.int32)
-  y = planner.experts_on_rows(codes, recv_scales.T if plan.column_major else recv_scales, rows, order, group_sizes,
-                              w13_q, w13_s, w2_q, w2_s, plan)
-  y = planner.unsort(y, order).reshape(devices, capacity, -1)
+  y = layer.experts_on_rows(codes, recv_scales.T if plan.column_major else recv_scales, rows, d, w13_q, w13_s, w2_q,
+                            w2_s, plan)
+  y = y[d.rank].reshape(devices, capacity, -1)  # back in buffer order; rows of no expert are never read
   back = exchange(y)  # back[d, p]: the result of the row this device put at slot p of device d's buffer
   y_slots = jnp.where(valid[:, None], back[send_at[0], jnp.minimum(pos, capacity - 1)], 0.0)
-  return planner.combine(y_slots.reshape(t, k, -1), topk_weights, valid.reshape(t, k), x.dtype)
+  return layer.combine_slots(y_slots.reshape(t, k, -1), topk_weights, valid.reshape(t, k), x.dtype)
 
 
 def expert_parallel_fp8_moe(

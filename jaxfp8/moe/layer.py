@@ -1,0 +1,116 @@
+"""The MoE layer's forward (docs/CONTRACT.md §8) as named steps, each a function of arrays and the plan.
+
+    dispatch    the routed slots in expert order: the order, its inverse, the group sizes, the live row count
+    quantize    the tokens, once
+    permute     each live row's token codes and scales gathered into expert order
+    gate_up     the first grouped GEMM
+    silu_quant  the fused SiLU-and-mul quantizer over the live rows
+    down        the second grouped GEMM (float32 out)
+    combine     each token's k result rows gathered back through the inverse order and summed in slot order
+
+Every step after `dispatch` works on the live rows only: the R = T x k routed rows have a static size (one compile
+serves every routing), but the slots whose id is outside the experts (another device's expert, or none) sort last,
+past `live`, and no step computes or stores them. The grouped GEMMs leave the rows past `live` unwritten
+(`zero_unowned_rows=False`), the quantizer reads only the live rows (`masked_m`), and the combine selects, never
+multiplies, a slot's result, so whatever those rows hold never reaches the output. The planner decides each step's
+implementation (`MoePlan`); the benchmark times the steps by these names (`STEPS`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxfp8 import grouped, quant
+
+STEPS = ("dispatch", "quantize", "permute", "gate_up", "silu_quant", "down", "combine")
+GEMM_STEPS = ("gate_up", "down")
+
+
+class Dispatch(NamedTuple):
+  """Where each routed slot goes. R slots (token-major, t * k + j), E experts."""
+  order: jax.Array        # (R,) int32: the slot at each expert-order row (by expert, stable; outside ids last)
+  rank: jax.Array         # (R,) int32: the expert-order row of each slot (order's inverse)
+  group_sizes: jax.Array  # (E,) int32: rows of each expert
+  live: jax.Array         # () int32: rows some expert owns (the sum of group_sizes)
+
+
+def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
+  """The slots of slot_ids (any shape, int32 expert ids; an id outside [0, E) belongs to no expert here) sorted by
+  expert, stable, the slots of no expert last."""
+  ids = slot_ids.reshape(-1).astype(jnp.int32)
+  key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
+  group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
+  return Dispatch(order, rank, group_sizes, jnp.sum(group_sizes).astype(jnp.int32))
+
+
+def quantize(x: jax.Array, plan) -> tuple[jax.Array, jax.Array]:
+  """The tokens x (T, H) quantized once: codes (T', H) and scales in the plan's layout (column-major (G, T'') for
+  the kernels)."""
+  x_q, x_s = quant.planner.run(x[None], None, plan=plan.quant_x)
+  return x_q[0], x_s[0]
+
+
+def permute(x_q: jax.Array, x_s: jax.Array, row_source: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
+  """The codes and scales of expert-order row r: those of row row_source[order[r]] of (x_q, x_s). Rows from `live`
+  on are not meaningful (they gather row 0, which costs no HBM read after the first)."""
+  source = jnp.where(jnp.arange(d.order.shape[0]) < d.live, row_source[d.order], 0)
+  a_q = x_q[source]
+  a_s = x_s[:, source] if plan.column_major else x_s[source]
+  return a_q, a_s
+
+
+def gate_up(a_q, a_s, d: Dispatch, w13_q, w13_s, plan) -> jax.Array:
+  """h (R, 2I) in x's dtype: each live row against its expert's [gate | up] weight; rows past `live` unwritten."""
+  return grouped.planner.run(a_q, w13_q, a_s, w13_s, d.group_sizes, plan=plan.gate_up)
+
+
+def silu_quant(h: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
+  """SiLU(gate) * up of the live rows of h, quantized: codes (R', I) and scales; rows past `live` are pad rows."""
+  h_q, h_s = quant.planner.run(h[None], d.live.reshape(1), plan=plan.quant_h)
+  return h_q[0], h_s[0]
+
+
+def down(h_q, h_s, d: Dispatch, w2_q, w2_s, plan) -> jax.Array:
+  """y (R, H) float32: each live row against its expert's down weight; rows past `live` unwritten."""
+  return grouped.planner.run(h_q, w2_q, h_s, w2_s, d.group_sizes, plan=plan.down)
+
+
+def combine_slots(y_slots: jax.Array, topk_weights: jax.Array, valid: jax.Array, out_dtype) -> jax.Array:
+  """out[t] = sum over slots j, in order, of float32(w[t, j]) * y[t, j] (float32), cast once. y_slots (T, k, H); a
+  slot not `valid` adds exactly nothing, whatever its weight (inf, NaN) or its row (never read: selected away)."""
+  weights = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
+  acc = jnp.zeros(y_slots.shape[::2], jnp.float32)
+  for j in range(y_slots.shape[1]):
+    acc = acc + weights[:, j, None] * jnp.where(valid[:, j, None], y_slots[:, j], 0.0)
+  return acc.astype(out_dtype)
+
+
+def combine(y: jax.Array, d: Dispatch, topk_weights: jax.Array, valid: jax.Array, out_dtype) -> jax.Array:
+  """(T, H): each token's k rows of y (expert order) gathered through `rank` and summed in slot order; a slot of no
+  expert gathers row 0 (read once, then selected away)."""
+  t, k = topk_weights.shape
+  rows = jnp.where(valid.reshape(-1), d.rank, 0)
+  return combine_slots(y[rows].reshape(t, k, -1), topk_weights, valid, out_dtype)
+
+
+def experts_on_rows(x_q, x_s, row_source, d: Dispatch, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Array:
+  """permute, gate_up, silu_quant, down: y (R, H) float32 in expert order, its rows past `live` unspecified."""
+  a_q, a_s = permute(x_q, x_s, row_source, d, plan)
+  h = gate_up(a_q, a_s, d, w13_q, w13_s, plan)
+  h_q, h_s = silu_quant(h, d, plan)
+  return down(h_q, h_s, d, w2_q, w2_s, plan)
+
+
+def forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Array:
+  """docs/CONTRACT.md §8 on validated (T, H) arrays, every step above in turn. Traceable; checks nothing."""
+  t, k = topk_ids.shape
+  d = dispatch(topk_ids, plan.experts)
+  x_q, x_s = quantize(x, plan)
+  y = experts_on_rows(x_q, x_s, jnp.arange(t * k, dtype=jnp.int32) // k, d, w13_q, w13_s, w2_q, w2_s, plan)
+  valid = (topk_ids >= 0) & (topk_ids < plan.experts)
+  return combine(y, d, topk_weights, valid, x.dtype)
