@@ -348,6 +348,22 @@ def test_valid_rows_under_vmap_counts_each_entry_s_own_rows(rng):
     assert (np.asarray(out[b, count:]) == 0).all()
 
 
+def test_live_row_schedules_follow_the_exact_counts_schedule():
+  """A traced count runs the schedule of the first step at or above it; neighbouring steps with one schedule are
+  merged, and every step's schedule is the dense default for that many rows."""
+  from jaxfp8.gemm import mosaic as mosaic_backend
+  if not helpers.MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("pallas_kernels.gemm_mosaic not importable")
+  for rows, n, k in ((4096, 24576, 7168), (256, 7168, 18432), (300, 10240, 5120), (40, 1536, 7168), (8192, 7168, 2048)):
+    schedules = mosaic_backend.live_row_schedules(rows, n, k, jnp.bfloat16, 132).schedules
+    bounds = [b for b, _ in schedules]
+    assert bounds == sorted(set(bounds)) and bounds[-1] == rows
+    assert all(a[1] != b[1] for a, b in zip(schedules, schedules[1:])), "equal neighbours are merged"
+    for step in [s for s in mosaic_backend.LIVE_ROW_STEPS if s < rows] + [rows]:
+      config = next(c for b, c in schedules if b >= step)
+      assert config == mosaic_backend.default_config(step, n, k, jnp.bfloat16, num_sms=132), (rows, step)
+
+
 def test_plan_says_whether_dead_row_tiles_are_skipped():
   a_q, b_q = jax.ShapeDtypeStruct((512, 1024), ref.FP8), jax.ShapeDtypeStruct((2048, 1024), ref.FP8)
   hopper = helpers.fake_device((9, 0))

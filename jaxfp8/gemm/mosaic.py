@@ -7,8 +7,10 @@ the kernel file: the kernel (`pallas_kernels/gemm_mosaic.py`) builds any config 
 from __future__ import annotations
 
 import importlib
+import dataclasses
 from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform
@@ -188,15 +190,44 @@ def row_alignment(m: int) -> tuple[int, str]:
 
 # With valid_rows, the row tiles past the count load nothing and run no wgmma (the kernel's live-row count).
 SKIPS_DEAD_ROWS = True
+# The live-row counts at which a traced count's schedule is chosen: a count runs the schedule of the first of these
+# at or above it (its exact count's schedule where the schedule does not change inside the range).
+LIVE_ROW_STEPS = (WGMMA_M, 2 * WGMMA_M, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveRowSchedules:
+  """The schedules of a call with a traced live-row count: at run time the count selects the schedule a call of
+  about that many rows would get (`lax.switch`), so that a large bucket with few live rows does not run the bucket's
+  wide tiles. schedules: (most live rows, config), the counts increasing, the last one the bucket's rows."""
+  schedules: tuple[tuple[int, MosaicGemmConfig], ...]
+
+  def __str__(self) -> str:
+    return "LiveRowSchedules(" + "; ".join(f"live <= {rows}: {config}" for rows, config in self.schedules) + ")"
+
+
+def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int) -> LiveRowSchedules:
+  """One schedule per range of live counts whose default schedule differs (neighbouring ranges that would run the
+  same config are merged, so a bucket compiles only the distinct kernels)."""
+  bounds = [step for step in LIVE_ROW_STEPS if step < rows] + [rows]
+  schedules: list[tuple[int, MosaicGemmConfig]] = []
+  for bound in bounds:
+    config = default_config(bound, n, k, out_dtype, num_sms=num_sms)
+    if schedules and schedules[-1][1] == config:
+      schedules[-1] = (bound, config)
+    else:
+      schedules.append((bound, config))
+  return LiveRowSchedules(tuple(schedules))
 
 
 def default_config_for(problem, device: _platform.Device):
+  if problem.masked:
+    schedules = live_row_schedules(problem.m, problem.n, problem.k, problem.out_dtype, device.num_sms)
+    return schedules, (f"valid_rows: {len(schedules.schedules)} schedule(s) on {device.num_sms} SMs, the one for "
+                       "about the live count chosen at run time; the row tiles past valid_rows are skipped")
   config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms)
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
-  why = f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs"
-  if problem.masked:
-    why += "; the row tiles past valid_rows are skipped"
-  return config, why
+  return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs"
 
 
 def config_problem(problem, config) -> str | None:
@@ -224,5 +255,15 @@ def launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret: bool, device: _
 
 def launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, problem, config, interpret: bool, device: _platform.Device):
   """The first problem.m rows of C with the rows from valid_rows on zero; the row tiles past it are not computed
-  and the bias is added to the live rows only, before the one cast (docs/CONTRACT.md §2)."""
-  return launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret, device, live_rows=valid_rows)
+  and the bias is added to the live rows only, before the one cast (docs/CONTRACT.md §2). config: one config, or
+  `LiveRowSchedules`, of which the count selects one."""
+  if not isinstance(config, LiveRowSchedules):
+    return launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret, device, live_rows=valid_rows)
+  count = jnp.clip(jnp.asarray(valid_rows).astype(jnp.int32), 0, problem.m)
+  bounds = jnp.asarray([rows for rows, _ in config.schedules[:-1]], jnp.int32)
+  branches = [lambda a_q, b_q, a_s, b_s, bias, count, c=c: launch(a_q, b_q, a_s, b_s, bias, problem, c, interpret,
+                                                                  device, live_rows=count)
+              for _, c in config.schedules]
+  if len(branches) == 1:
+    return branches[0](a_q, b_q, a_s, b_s, bias, count)
+  return jax.lax.switch(jnp.searchsorted(bounds, count, side="left"), branches, a_q, b_q, a_s, b_s, bias, count)
