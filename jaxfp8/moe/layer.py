@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfp8 import grouped, quant
+from jaxfp8.moe import permute as permute_rows
 
 STEPS = ("dispatch", "quantize", "permute", "gate_up", "silu_quant", "down", "combine")
 GEMM_STEPS = ("gate_up", "down")
@@ -57,9 +58,9 @@ def quantize(x: jax.Array, plan) -> tuple[jax.Array, jax.Array]:
 
 def permute(x_q: jax.Array, x_s: jax.Array, row_source: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
   """The codes and scales of expert-order row r: those of row row_source[order[r]] of (x_q, x_s). Rows from `live`
-  on are not meaningful (they gather row 0, which costs no HBM read after the first)."""
+  on are unspecified (the Mosaic row gather does not write them; XLA's gathers row 0 there)."""
   source = jnp.where(jnp.arange(d.order.shape[0]) < d.live, row_source[d.order], 0)
-  a_q = x_q[source]
+  a_q = permute_rows.gather(x_q, source, d.live, plan.permute)
   a_s = x_s[:, source] if plan.column_major else x_s[source]
   return a_q, a_s
 

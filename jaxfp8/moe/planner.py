@@ -13,6 +13,7 @@ import functools
 import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform, grouped, quant
+from jaxfp8.moe import permute
 
 LIVE_ROWS_REASON = ("the slots of no local expert sort past the live rows, which the GEMMs neither compute nor store "
                     "and the SiLU-and-mul quantizer does not read; the combine gathers each token's rows back")
@@ -48,6 +49,7 @@ class MoePlan:
   gate_up: grouped.GroupedPlan
   quant_h: quant.QuantPlan
   down: grouped.GroupedPlan
+  permute: permute.PermutePlan
   layout: str = "ragged"
   layout_reason: str = LAYOUT_REASON
 
@@ -68,6 +70,7 @@ class MoePlan:
         f"  layout: {self.layout_reason}",
         f"  rows: {LIVE_ROWS_REASON}",
         f"  tokens quantized: {self.quant_x}",
+        f"  permute: {self.permute}",
         f"  gate_up: {self.gate_up}",
         f"  SiLU-and-mul quantized: {self.quant_h}",
         f"  down: {self.down}",
@@ -106,4 +109,5 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
                       reason=quant_reason, option="quant_implementation")
 
   return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name,
-                 quant_plan(tokens, hidden, False), gate_up, quant_plan(rows, 2 * intermediate, True), down)
+                 quant_plan(tokens, hidden, False), gate_up, quant_plan(rows, 2 * intermediate, True), down,
+                 permute.plan(implementation, hidden, device, interpret))
