@@ -25,8 +25,9 @@ def store_unoptimized(ref, value) -> None:
 
   JAX 0.12 checks that a register store to GMEM covers whole 32-byte sectors, and that one to SMEM avoids bank
   conflicts, unless the store is asked for unoptimized (`plgpu.store(..., optimized=False)`, new in 0.12); it refuses
-  the strided store of column-major scales and the fp8 store of a float32 block's codes. JAX 0.11 has neither the
-  check nor that function, and stores these as 0.12 does unoptimized.
+  the strided store of column-major scales and some fp8 stores of a block's codes to SMEM. (`ref[...] = value` in
+  0.12 is an optimized store that also loads the old value, the same way.) JAX 0.11 has neither the check nor that
+  function, and stores every array as 0.12 does unoptimized.
   """
   store = getattr(plgpu, "store", None)
   if store is None:
