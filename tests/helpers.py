@@ -116,7 +116,7 @@ def kernel_calls(text: str) -> list[str]:
   """The custom-call targets of a lowered StableHLO module, in program order (e.g. 'mosaic_gpu_v2' per Mosaic
   kernel)."""
   import re
-  return re.findall(r"stablehlo\.custom_call @(\w+)", text)
+  return re.findall(r"stablehlo\.custom_call @\"?([\w$.]+)", text)
 
 
 def lowered_ops(text: str) -> dict[str, set[str]]:
