@@ -368,6 +368,13 @@ def read_tensors(path: str | os.PathLike | Sequence[str | os.PathLike], names: I
       f.close()
 
 
+def tensor_names(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+  """The names of every tensor in a checkpoint's files, sorted (from the headers: nothing is read)."""
+  safetensors, _ = _safetensors()
+  location, _ = _index(safetensors, checkpoint_files(path))
+  return sorted(location)
+
+
 def _tensors_to_save(prefix, weight) -> dict[str, np.ndarray]:
   """The tensors of one layer, checked as the loader checks them (so that what is saved loads back)."""
   if not isinstance(prefix, str) or not prefix:
@@ -477,4 +484,5 @@ def save_hf_fp8_linears(
   if merged is not None:
     _write_json(config_path, merged)
 
-__all__ = ["checkpoint_files", "read_block_size", "load_hf_fp8_linears", "save_hf_fp8_linears", "read_tensors"]
+__all__ = ["checkpoint_files", "read_block_size", "load_hf_fp8_linears", "save_hf_fp8_linears", "read_tensors",
+           "tensor_names"]

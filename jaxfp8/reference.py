@@ -201,18 +201,29 @@ def masked_block_fp8_matmul(a_q, b_q, a_s, b_s, masked_m, block_size, *,
   return out
 
 
+def _nan_tokens_get_nan(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+  """docs/CONTRACT.md §8's NaN rule: a token whose routing values (the row its experts are ranked by) hold a NaN
+  gets NaN for every weight."""
+  return np.where(np.isnan(values).any(-1, keepdims=True), np.nan, weights)
+
+
 def deepseek_v3_route(logits, correction_bias, *, top_k: int, n_group: int, topk_group: int,
                       routed_scaling_factor: float, norm_topk_prob: bool = True):
   """docs/CONTRACT.md §8, DeepSeek-V3's router in float64: sigmoid scores; experts chosen by score + correction bias
-  among the topk_group groups whose two best biased scores sum highest; weights are the unbiased scores, normalized
-  to sum 1 (norm_topk_prob), times routed_scaling_factor. Ties go to the lower index. Returns (ids int32 (T, top_k),
-  weights float64 (T, top_k))."""
+  among the topk_group groups whose two best biased scores sum highest (a NaN sum ranks last); weights are the
+  unbiased scores, normalized to sum 1 (norm_topk_prob), times routed_scaling_factor. Ties go to the lower index; a
+  token whose biased scores hold a NaN gets NaN weights (its ids are then unspecified). logits (..., E). Returns
+  (ids int32 (..., top_k), weights float64 (..., top_k))."""
   logits = np.asarray(logits, np.float32).astype(np.float64)
-  t, e = logits.shape
-  scores = 1.0 / (1.0 + np.exp(-logits))
-  choice = scores + np.asarray(correction_bias, np.float32).astype(np.float64)[None, :]
-  grouped = choice.reshape(t, n_group, e // n_group)
-  group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)
+  lead, e = logits.shape[:-1], logits.shape[-1]
+  logits = logits.reshape(-1, e)
+  t = logits.shape[0]
+  with np.errstate(over="ignore", invalid="ignore"):
+    scores = 1.0 / (1.0 + np.exp(-logits))
+    choice = scores + np.asarray(correction_bias, np.float32).astype(np.float64)[None, :]
+    grouped = choice.reshape(t, n_group, e // n_group)
+    group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)
+  group_scores = np.where(np.isnan(group_scores), -np.inf, group_scores)
   best_groups = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
   allowed = np.zeros((t, n_group), bool)
   allowed[np.arange(t)[:, None], best_groups] = True
@@ -221,20 +232,27 @@ def deepseek_v3_route(logits, correction_bias, *, top_k: int, n_group: int, topk
   weights = np.take_along_axis(scores, ids, axis=1)
   if norm_topk_prob:
     weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-  return ids.astype(np.int32), weights * routed_scaling_factor
+  weights = _nan_tokens_get_nan(choice, weights * routed_scaling_factor)
+  return ids.astype(np.int32).reshape(*lead, top_k), weights.reshape(*lead, top_k)
 
 
 def qwen3_moe_route(logits, *, top_k: int, norm_topk_prob: bool = True):
   """docs/CONTRACT.md §8, Qwen3-MoE's router in float64: softmax over the experts, the top_k, renormalized to sum 1
-  with norm_topk_prob. Ties go to the lower index. Returns (ids int32 (T, top_k), weights float64 (T, top_k))."""
+  with norm_topk_prob. Ties go to the lower index; a token whose probabilities hold a NaN (a NaN logit, or +inf: the
+  softmax divides inf by inf) gets NaN weights (its ids are then unspecified). logits (..., E). Returns (ids int32
+  (..., top_k), weights float64 (..., top_k))."""
   logits = np.asarray(logits, np.float32).astype(np.float64)
-  probs = np.exp(logits - logits.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
+  lead, e = logits.shape[:-1], logits.shape[-1]
+  logits = logits.reshape(-1, e)
+  with np.errstate(invalid="ignore"):
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
   ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
   weights = np.take_along_axis(probs, ids, axis=1)
   if norm_topk_prob:
     weights = weights / weights.sum(-1, keepdims=True)
-  return ids.astype(np.int32), weights
+  weights = _nan_tokens_get_nan(probs, weights)
+  return ids.astype(np.int32).reshape(*lead, top_k), weights.reshape(*lead, top_k)
 
 
 def fp8_moe(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size, *, eps: float = 1e-10) -> np.ndarray:

@@ -25,7 +25,8 @@
 #                 python -m jaxfp8 bench --ops=grouped_gemm (ours, lax.ragged_dot and JAX's Pallas ragged dot in bf16,
 #                 our dense GEMM at the same rows; GROUPED_BENCH_ARGS overrides; stops between shapes at 420 s).
 #                 The GPU tests single-process: 18 of 24 in 70 s; the bench aborted in ptxas (WORKSPACE.md)
-#   moe           tests/test_moe.py on the GPU (the layer on the real kernels against the reference), then
+#   moe           tests/test_moe.py and tests/test_moe_hardening.py on the GPU (the layer on the real kernels against
+#                 the reference; eager and jit bit-identical), then
 #                 scripts/bench_moe.py: the MoE layer op by op (route, sort, quantize, permute, gate_up, silu_quant,
 #                 down, combine) and whole, beside the same layer in bf16 on lax.ragged_dot and JAX's Pallas ragged
 #                 dot, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 1, 64, 4096 tokens (MOE_BENCH_ARGS). Not yet run
@@ -130,7 +131,7 @@ for phase in "${phases[@]}"; do
                --junitxml="$out/tests_grouped.junit.xml"
              run bench_grouped python3 -m jaxfp8 bench --ops=grouped_gemm ${GROUPED_BENCH_ARGS:---time_budget_s=420} \
                --out="$out/grouped_gemm_h200.json" ;;
-    moe) run tests_moe python3 -m pytest tests/test_moe.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
+    moe) run tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
          run bench_moe python3 scripts/bench_moe.py "$out/moe_h200.json" ${MOE_BENCH_ARGS:-} ;;
     valid-rows) run tests_valid_rows python3 -m pytest tests/test_gemm.py -k valid_rows "${pytest_args[@]}" \
                   --junitxml="$out/tests_valid_rows.junit.xml"

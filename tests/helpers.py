@@ -105,3 +105,30 @@ def mosaic_interpret_config():
   120 calls."""
   from pallas_kernels.gemm_mosaic import MosaicGemmConfig
   return MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1, persistent=False)
+
+
+# ---- lowered programs (jax.export for CUDA under `_platform.abstract_h200()`) --------------------------------------
+
+_STRUCTURE = ("func.func", "call", "return")  # what calls and returns, computing nothing
+
+
+def kernel_calls(text: str) -> list[str]:
+  """The custom-call targets of a lowered StableHLO module, in program order (e.g. 'mosaic_gpu_v2' per Mosaic
+  kernel)."""
+  import re
+  return re.findall(r"stablehlo\.custom_call @\"?([\w$.]+)", text)
+
+
+def lowered_ops(text: str) -> dict[str, set[str]]:
+  """Per element type (f8E4M3FN, bf16, f16, f32), the StableHLO ops of a lowered module that take or give a tensor
+  of it: what touches the activations, weights, scales and outputs outside the kernels (calls, returns and function
+  signatures left out)."""
+  import re
+  found: dict[str, set[str]] = {}
+  for line in text.splitlines():
+    op = re.search(r"\"?stablehlo\.([a-z_]+)", line)
+    if not op or line.lstrip().startswith(_STRUCTURE):
+      continue
+    for element in set(re.findall(r"x(f8E4M3FN|bf16|f16|f32)>", line)):
+      found.setdefault(element, set()).add(op.group(1))
+  return found

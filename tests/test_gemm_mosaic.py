@@ -27,6 +27,8 @@ from jaxfp8.gemm import mosaic as mosaic_backend
 from pallas_kernels import gemm_mosaic as gm
 from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
 
+import helpers
+
 # The (N, K) weight shapes of /work/shared/shapes.json (DeepSeek-V3 full/TP8/TP16, Qwen3-32B/4B) with N and K
 # multiples of 128, the ones this kernel takes (576 and 2112 go to the portable kernel). Embedded so that the tests do
 # not depend on where the shared folder is mounted.
@@ -391,6 +393,15 @@ def _lower(m, n, k, config, out_dtype=jnp.bfloat16, with_bias=False):
   with _platform.abstract_h200():
     exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == (m, n)
+  # One kernel, its operands and output as they are (free reshapes only), but for the launcher's pad of a_q's rows
+  # to the TMA row tile where their count has no tiled view (and only there).
+  text = exported.mlir_module()
+  assert helpers.kernel_calls(text) == ["mosaic_gpu_v2"], helpers.kernel_calls(text)
+  ops = helpers.lowered_ops(text)
+  free = {"custom_call", "broadcast_in_dim", "reshape"}
+  assert ops["f8E4M3FN"] - free == (set() if gm.tma_rows_ok(m) else {"pad"}), (m, ops)
+  for element in ("f32", "bf16"):
+    assert ops.get(element, set()) <= free, (element, ops)
 
 
 # Real shapes, including M % 8 == 4 (M = 4100, 12: the a_q padding path) and M < 8.

@@ -23,8 +23,9 @@ from jaxfp8 import _transforms as transforms
 from jaxfp8 import reference as ref
 from jaxfp8.grouped import mosaic as grouped_mosaic
 from pallas_kernels import grouped_gemm_mosaic as ggm
-from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig
+from pallas_kernels.gemm_mosaic import Dim, MosaicGemmConfig, tma_rows_ok
 
+import helpers
 from helpers import MOSAIC_GEMM_IMPORTABLE
 
 F8 = jnp.float8_e4m3fn
@@ -364,6 +365,16 @@ def _lower(layout, e, rows, n, k, out_dtype, config=None):
     assert plan.implementation == "mosaic", plan
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == ((rows, n) if layout == "ragged" else (e, rows, n))
+  # One grouped kernel; the codes, the scales and the output reach it and leave it as they are (free reshapes only:
+  # no transpose, concatenate or cast outside the kernel), but for the launcher's pad of a_q's rows to the TMA row
+  # tile where their count has no tiled view (and only there).
+  text = exported.mlir_module()
+  assert helpers.kernel_calls(text) == ["mosaic_gpu_v2"], helpers.kernel_calls(text)
+  ops = helpers.lowered_ops(text)
+  free = {"custom_call", "broadcast_in_dim", "reshape"}
+  assert ops["f8E4M3FN"] - free == (set() if tma_rows_ok(rows) else {"pad"}), (rows, ops)
+  for element in ("f32", {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(out_dtype).name]):
+    assert ops.get(element, set()) <= free, (element, ops)
   return plan
 
 

@@ -28,7 +28,7 @@ from jaxfp8.moe import layer as moe_layer
 from jaxfp8.moe.weights import MoeWeights, load_hf_moe, save_hf_moe
 from jaxfp8.weights import Fp8LinearWeight
 
-from helpers import MOSAIC_GEMM_IMPORTABLE
+from helpers import MOSAIC_GEMM_IMPORTABLE, MOSAIC_QUANT_IMPORTABLE, fake_device, kernel_calls, lowered_ops
 
 F8 = jnp.float8_e4m3fn
 TOL = 1e-2  # docs/CONTRACT.md §8, bfloat16 x
@@ -288,35 +288,48 @@ def test_transforms_refused_with_one_error():
 
 
 def test_explain_says_what_runs_and_why():
+  """The plans for a named device, so that they hold on any machine: a CPU's (XLA) and an H200's (Mosaic kernels,
+  not interpreted)."""
   x = jax.ShapeDtypeStruct((64, 7168), jnp.bfloat16)
   w13 = jax.ShapeDtypeStruct((32, 4096, 7168), F8)
   w2 = jax.ShapeDtypeStruct((32, 7168, 2048), F8)
-  plan = moe.explain(x, w13, w2, top_k=8)
+  plan = moe.explain(x, w13, w2, top_k=8, device=fake_device(None))
   text = str(plan)
   assert plan.rows == 512 and plan.gate_up.implementation == "xla" and not plan.column_major
   assert "64 tokens x top-8" in text and "no NVIDIA GPU" in text and "ragged" in text
   if MOSAIC_GEMM_IMPORTABLE:
-    with _platform.abstract_h200():
-      gpu = moe.explain(x, w13, w2, top_k=8)
+    gpu = moe.explain(x, w13, w2, top_k=8, device=fake_device((9, 0)), interpret=False)
     assert gpu.gate_up.implementation == gpu.down.implementation == "mosaic" and gpu.column_major
-    assert gpu.quant_x.implementation == gpu.quant_h.implementation == "mosaic"
+    assert gpu.quant_x.implementation == gpu.quant_h.implementation == (
+        "mosaic" if MOSAIC_QUANT_IMPORTABLE else "triton")
     assert gpu.quant_h.problem.fuse_silu_and_mul and "own quantizer" in str(gpu)
 
 
 @needs_mosaic
 @pytest.mark.parametrize("tokens,top_k,e,h,i", [(64, 8, 32, 7168, 2048), (4096, 8, 128, 2048, 768)])
 def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
-  """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200."""
+  """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200 to its four
+  Mosaic kernels (the tokens' quantizer, gate_up, the SiLU-and-mul quantizer, down), and around them nothing copies
+  the codes but the one gather of the routed rows, and gate_up's output goes to the SiLU quantizer as it is."""
+  if not MOSAIC_QUANT_IMPORTABLE:
+    pytest.skip("the Mosaic quantizer does not import here")
   structs = [jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
              jax.ShapeDtypeStruct((tokens, top_k), jnp.float32), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
              jax.ShapeDtypeStruct((e, 2 * i // 128, h // 128), jnp.float32), jax.ShapeDtypeStruct((e, h, i), F8),
              jax.ShapeDtypeStruct((e, h // 128, i // 128), jnp.float32)]
   with _platform.abstract_h200():
     plan = moe.explain(structs[0], structs[3], structs[5], top_k)
-    assert plan.gate_up.implementation == "mosaic"
+    assert plan.gate_up.implementation == "mosaic" and plan.quant_h.implementation == "mosaic", str(plan)
     exported = jax.export.export(jax.jit(moe.fp8_moe), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == (tokens, h)
-  assert "mosaic_gpu" in exported.mlir_module()
+  text = exported.mlir_module()
+  assert kernel_calls(text) == ["mosaic_gpu_v2"] * 4, kernel_calls(text)
+  ops = lowered_ops(text)
+  assert ops["f8E4M3FN"] <= {"custom_call", "reshape", "broadcast_in_dim", "gather", "optimization_barrier"}, ops
+  assert sum("stablehlo.gather" in line and "xf8E4M3FN>" in line for line in text.splitlines()) == 1
+  assert ops["bf16"] <= {"custom_call", "reshape", "broadcast_in_dim", "convert", "optimization_barrier"}, ops
+  rows = tokens * top_k
+  assert f"<{rows}x{2 * i}xf32>" not in text, "gate_up's output widened to float32 outside the kernels"
 
 
 def test_dispatch_is_stable_and_puts_outside_ids_last():
@@ -484,7 +497,7 @@ def test_nnx_block_checks_its_arguments(rng, tmp_path):
   with pytest.raises(TypeError, match="weights must be MoeWeights"):
     Fp8MoE({}, moe.Qwen3MoeRouter(top_k=2))
   save_hf_moe(tmp_path, "mlp", weights)
-  with pytest.raises(ValueError, match="expert 9 of 'mlp' lacks"):
+  with pytest.raises(ValueError, match=r"experts=\[9\] reaches outside the experts 0..7 of 'mlp'"):
     load_hf_moe(tmp_path, "mlp", experts=[9])
   with pytest.raises(ValueError, match="no block-FP8 experts"):
     load_hf_moe(tmp_path, "model.layers.0.mlp")

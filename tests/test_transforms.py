@@ -151,7 +151,9 @@ def test_every_op_exports_for_cuda_with_its_kernels(weight):
   w_q, w_s = weight
   x = jax.ShapeDtypeStruct((4096, 256), jnp.bfloat16)
   with _platform.abstract_h200():
-    for f in (lambda x: jaxfp8.per_token_group_quant_fp8(x, 128, column_major_scales=True, scale_tma_aligned=True),
-              lambda x: jaxfp8.w8a8_block_fp8_linear(x, w_q, w_s, (128, 128))):
+    # The quantizer is one Mosaic kernel, the linear two (its quantizer's and its GEMM's).
+    for kernels, f in (
+        (1, lambda x: jaxfp8.per_token_group_quant_fp8(x, 128, column_major_scales=True, scale_tma_aligned=True)),
+        (2, lambda x: jaxfp8.w8a8_block_fp8_linear(x, w_q, w_s, (128, 128)))):
       text = jax.export.export(jax.jit(f), platforms=["cuda"])(x).mlir_module()
-      assert "mosaic_gpu" in text
+      assert helpers.kernel_calls(text) == ["mosaic_gpu_v2"] * kernels, helpers.kernel_calls(text)

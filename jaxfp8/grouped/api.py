@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import _checks
+from jaxfp8 import _checks, _platform
 from jaxfp8 import _transforms as transforms
 from jaxfp8.gemm.api import FP8
 from jaxfp8.grouped import planner
@@ -47,11 +47,8 @@ def ragged_w8a8_block_fp8_matmul(
   Returns:
     (M, N) array of out_dtype.
   """
-  block_size, a_s_column_major, out_dtype = _validate("ragged", a_q, b_q, a_s, b_s, group_sizes, block_size,
-                                                      a_s_column_major, out_dtype)
-  p = planner.problem("ragged", b_q.shape[0], a_q.shape[0], b_q.shape[1], a_q.shape[1], block_size,
-                      out_dtype=out_dtype, a_s_column_major=a_s_column_major)
-  plan = planner.plan(p, implementation=implementation, config=config, interpret=_checks.interpret(interpret))
+  p = _problem("ragged", a_q, b_q, a_s, b_s, group_sizes, block_size, a_s_column_major, out_dtype)
+  plan = _plan(p, implementation, config, interpret, None)
   return transformable(plan)(a_q, b_q, a_s, b_s, group_sizes)
 
 
@@ -75,11 +72,8 @@ def masked_w8a8_block_fp8_matmul(
   Returns:
     (E, T, N) array of out_dtype.
   """
-  block_size, a_s_column_major, out_dtype = _validate("masked", a_q, b_q, a_s, b_s, masked_m, block_size,
-                                                      a_s_column_major, out_dtype)
-  p = planner.problem("masked", b_q.shape[0], a_q.shape[1], b_q.shape[1], a_q.shape[2], block_size,
-                      out_dtype=out_dtype, a_s_column_major=a_s_column_major)
-  plan = planner.plan(p, implementation=implementation, config=config, interpret=_checks.interpret(interpret))
+  p = _problem("masked", a_q, b_q, a_s, b_s, masked_m, block_size, a_s_column_major, out_dtype)
+  plan = _plan(p, implementation, config, interpret, None)
   return transformable(plan)(a_q, b_q, a_s, b_s, masked_m)
 
 
@@ -101,16 +95,31 @@ def transformable(plan: planner.GroupedPlan):
       "dequantized experts)")
 
 
+def _problem(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, out_dtype) -> planner.GroupedProblem:
+  """The problem of a call, its arrays checked against each other (the calls' and `plan_for`'s one check)."""
+  block_size, a_s_column_major, out_dtype = _validate(layout, a_q, b_q, a_s, b_s, counts, block_size,
+                                                      a_s_column_major, out_dtype)
+  return planner.problem(layout, b_q.shape[0], a_q.shape[-2], b_q.shape[1], a_q.shape[-1], block_size,
+                         out_dtype=out_dtype, a_s_column_major=a_s_column_major)
+
+
+def _plan(p: planner.GroupedProblem, implementation, config, interpret, device) -> planner.GroupedPlan:
+  if device is not None and not isinstance(device, _platform.Device):
+    raise TypeError(f"device must be a jaxfp8._platform.Device or None, got {type(device).__name__}")
+  return planner.plan(p, implementation=implementation, config=config, interpret=_checks.interpret(interpret),
+                      device=device)
+
+
 def _validate(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, out_dtype):
   """Checks the arrays' dtypes and shapes against each other; returns (block_size, a_s_column_major, out_dtype)."""
   ragged = layout == "ragged"
   counts_name = "group_sizes" if ragged else "masked_m"
+  gn, gk = _checks.block_size(block_size)
   _checks.array("a_q", a_q, (FP8,), ndim=2 if ragged else 3)
   _checks.array("b_q", b_q, (FP8,), ndim=3)
   _checks.array("a_s", a_s, (F32,), ndim=2 if ragged else 3)
   _checks.array("b_s", b_s, (F32,), ndim=3)
   _checks.array(counts_name, counts, (I32,), ndim=1)
-  gn, gk = _checks.block_size(block_size)
   a_s_column_major = _checks.flag("a_s_column_major", a_s_column_major)
   out_dtype = _checks.float_dtype("out_dtype", out_dtype)
   num_groups, n, k_b = b_q.shape
@@ -145,10 +154,24 @@ def _validate(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, 
 
 
 def plan_for(a_q, b_q, block_size, *, out_dtype=jnp.bfloat16, a_s_column_major: bool = False,
-             implementation: str | None = None, config=None, interpret: bool | None = None) -> planner.GroupedPlan:
-  """The plan a grouped call runs for operands of these shapes (arrays or `jax.ShapeDtypeStruct`s): the ragged
-  layout for a 2-D a_q, the masked one for a 3-D a_q."""
+             implementation: str | None = None, config=None, interpret: bool | None = None,
+             device: _platform.Device | None = None) -> planner.GroupedPlan:
+  """The plan a grouped call runs for operands of these shapes (arrays or `jax.ShapeDtypeStruct`s) on `device`
+  (default: the device programs are built for here): the ragged layout for a 2-D a_q (M, K), the masked one for a
+  3-D a_q (E, T, K). Raises what the call raises for these operands: the same check, on stand-ins for the scales and
+  counts (of the shapes the call needs)."""
+  gn, gk = _checks.block_size(block_size)  # in the call's order: the block size, then the arrays
+  _checks.array("a_q", a_q, (FP8,), ndim=None)
+  if len(a_q.shape) not in (2, 3):
+    raise ValueError(f"a_q must be 2-D (M, K) for the ragged layout or 3-D (E, T, K) for the masked one, got shape "
+                     f"{tuple(a_q.shape)}")
   layout = "ragged" if len(a_q.shape) == 2 else "masked"
-  p = planner.problem(layout, b_q.shape[0], a_q.shape[-2], b_q.shape[1], a_q.shape[-1], _checks.block_size(block_size),
-                      out_dtype=_checks.float_dtype("out_dtype", out_dtype), a_s_column_major=a_s_column_major)
-  return planner.plan(p, implementation=implementation, config=config, interpret=_checks.interpret(interpret))
+  b_shape = tuple(getattr(b_q, "shape", ()))
+  groups = b_shape[0] if len(b_shape) == 3 else 0
+  k_groups, rows = -(-a_q.shape[-1] // gk), a_q.shape[-2]
+  lead = () if layout == "ragged" else (a_q.shape[0],)
+  a_s = (*lead, k_groups, rows) if a_s_column_major is True else (*lead, rows, k_groups)
+  b_s = (groups, -(-b_shape[1] // gn), -(-b_shape[2] // gk)) if len(b_shape) == 3 else ()
+  p = _problem(layout, a_q, b_q, jax.ShapeDtypeStruct(a_s, F32), jax.ShapeDtypeStruct(b_s, F32),
+               jax.ShapeDtypeStruct((groups,), I32), (gn, gk), a_s_column_major, out_dtype)
+  return _plan(p, implementation, config, interpret, device)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxfp8 import _checks
+from jaxfp8 import _checks, _platform
 from jaxfp8 import _transforms as transforms
 from jaxfp8.gemm.api import FP8
 from jaxfp8.moe import layer, planner, routing
@@ -61,38 +63,50 @@ def fp8_moe_from_logits(
   router_logits (..., E) (with DeepSeek-V3's `correction_bias` (E,))."""
   if not isinstance(router, (routing.DeepSeekV3Router, routing.Qwen3MoeRouter)):
     raise TypeError(f"router must be a DeepSeekV3Router or Qwen3MoeRouter, got {type(router).__name__}")
+  # x's and w13_q's checks as `validate` makes them, before their shapes are read here.
+  _checks.array("x", x, _checks.FLOAT_DTYPES, ndim=None)
+  _checks.array("w13_q", w13_q, (FP8,), ndim=3)
   _checks.array("router_logits", router_logits, _checks.FLOAT_DTYPES, ndim=None)
   if tuple(router_logits.shape) != (*x.shape[:-1], w13_q.shape[0]):
     raise ValueError(f"router_logits must have shape (..., E) = {(*x.shape[:-1], w13_q.shape[0])} for x of shape "
                      f"{tuple(x.shape)} and {w13_q.shape[0]} experts, got {tuple(router_logits.shape)}")
-  if isinstance(router, routing.DeepSeekV3Router):
-    if correction_bias is None:
-      raise ValueError("DeepSeekV3Router needs correction_bias (the checkpoint's e_score_correction_bias, (E,))")
-    _checks.array("correction_bias", correction_bias, _checks.FLOAT_DTYPES, ndim=1)
-    if tuple(correction_bias.shape) != (router_logits.shape[-1],):
-      raise ValueError(f"correction_bias must have shape (E,) = ({router_logits.shape[-1]},), one per expert, got "
-                       f"{tuple(correction_bias.shape)}")
-  logits = router_logits.reshape(-1, router_logits.shape[-1])
-  ids, weights = router(logits, correction_bias)
-  lead, k = x.shape[:-1], ids.shape[-1]
-  return fp8_moe(x, ids.reshape(*lead, k), weights.reshape(*lead, k), w13_q, w13_s, w2_q, w2_s, block_size,
-                 **options)
+  ids, weights = router(router_logits, correction_bias)  # the router checks correction_bias
+  return fp8_moe(x, ids, weights, w13_q, w13_s, w2_q, w2_s, block_size, **options)
 
 
 def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128), *,
             implementation: str | None = None, quant_implementation: str | None = None,
-            interpret: bool | None = None) -> planner.MoePlan:
-  """The plan `fp8_moe` runs for these shapes (arrays or `jax.ShapeDtypeStruct`s) here, and why (`print(plan)`)."""
-  top_k = _checks.positive_int("top_k", top_k)
-  ids = jax.ShapeDtypeStruct((*x.shape[:-1], top_k), I32)
-  return _plan(x, ids, w13_q, w2_q, _checks.block_size(block_size), implementation, quant_implementation, interpret)
+            interpret: bool | None = None, device: _platform.Device | None = None) -> planner.MoePlan:
+  """The plan `fp8_moe` runs for these shapes (arrays or `jax.ShapeDtypeStruct`s) and why (`print(plan)`), on
+  `device` (default: the device programs are built for here). Raises what `fp8_moe` raises for these shapes: the
+  same `validate`, on stand-ins for the arrays explain does not take (ids and weights (..., top_k), the scales)."""
+  if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+    raise ValueError(f"top_k must be a non-negative int (the slots per token, topk_ids.shape[-1]), got {top_k!r}")
+  block_size = _checks.block_size(block_size)
+  lead = tuple(x.shape[:-1]) if hasattr(x, "shape") else ()
+  ids = jax.ShapeDtypeStruct((*lead, int(top_k)), I32)
+  scales = [jax.ShapeDtypeStruct(_scale_shape(w, block_size), F32) for w in (w13_q, w2_q)]
+  block_size, _ = validate(x, ids, jax.ShapeDtypeStruct(ids.shape, F32), w13_q, scales[0], w2_q, scales[1],
+                           block_size)
+  return _plan(x, ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device)
 
 
-def _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret):
+def _scale_shape(w, block_size) -> tuple[int, ...]:
+  """The block scales' shape (E, ceil(N/gn), ceil(K/gk)) of an (E, N, K) weight; () for anything else (whose own
+  check fails first)."""
+  shape = tuple(getattr(w, "shape", ()))
+  if len(shape) != 3:
+    return ()
+  return (shape[0], -(-shape[1] // block_size[0]), -(-shape[2] // block_size[1]))
+
+
+def _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device=None):
   options = planner.MoeOptions(implementation, quant_implementation, interpret)
+  if device is not None and not isinstance(device, _platform.Device):
+    raise TypeError(f"device must be a jaxfp8._platform.Device or None, got {type(device).__name__}")
   tokens = math.prod(x.shape[:-1])
   return planner.plan(tokens, topk_ids.shape[-1], w13_q.shape[0], x.shape[-1], w2_q.shape[2], block_size, x.dtype,
-                      options)
+                      options, device=device)
 
 
 def transformable(plan: planner.MoePlan):
@@ -110,11 +124,17 @@ def transformable(plan: planner.MoePlan):
 
 @functools.partial(jax.jit, static_argnames=("plan",))
 def _forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, *, plan: planner.MoePlan):
-  return layer.forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan)
+  # One jitted function of the plan, eager or under an outer jax.jit. The barriers keep XLA from fusing the caller's
+  # producers and consumers into the layer's ops (which changes their fusions, and on a GPU folds a caller's
+  # narrowing convert into our widening one): the layer compiles to the same computation either way.
+  args = lax.optimization_barrier((x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s))
+  return lax.optimization_barrier(layer.forward(*args, plan))
 
 
 def validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size):
-  """Checks every array against the others; returns (block_size, the tokens' leading shape)."""
+  """Checks every array against the others (the call's and `explain`'s one check); returns (block_size, the tokens'
+  leading shape)."""
+  gn, gk = _checks.block_size(block_size)
   _checks.array("x", x, _checks.FLOAT_DTYPES, ndim=None)
   _checks.array("topk_ids", topk_ids, (I32,), ndim=None)
   _checks.array("topk_weights", topk_weights, _checks.FLOAT_DTYPES, ndim=None)
@@ -122,7 +142,6 @@ def validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size):
     _checks.array(name, w, (FP8,), ndim=3)
   for name, s in (("w13_s", w13_s), ("w2_s", w2_s)):
     _checks.array(name, s, (F32,), ndim=3)
-  gn, gk = _checks.block_size(block_size)
   if x.ndim < 1:
     raise ValueError(f"x must be (..., H), got shape {tuple(x.shape)}")
   lead, h = tuple(x.shape[:-1]), x.shape[-1]

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxfp8 import _mesh
+from jaxfp8 import _checks, _mesh
 from jaxfp8 import nn as fp8_nn
-from jaxfp8.moe import api, parallel, routing
-from jaxfp8.moe.weights import MoeWeights, load_hf_moe, save_hf_moe
+from jaxfp8.moe import api, parallel, planner, routing
+from jaxfp8.moe.weights import MoeWeights, check_moe_weights, load_hf_moe, save_hf_moe
 
 nnx = fp8_nn.nnx
 
@@ -37,8 +38,8 @@ class Fp8MoE(nnx.Module):
   def __init__(self, weights: MoeWeights, router: routing.Router, *, implementation: str | None = None,
                quant_implementation: str | None = None, interpret: bool | None = None,
                mesh: jax.sharding.Mesh | None = None, axis_name: str | None = None):
-    if not isinstance(weights, MoeWeights):
-      raise TypeError(f"weights must be MoeWeights, got {type(weights).__name__}")
+    check_moe_weights(weights)
+    planner.MoeOptions(implementation, quant_implementation, interpret)  # the options check themselves
     if not isinstance(router, (routing.DeepSeekV3Router, routing.Qwen3MoeRouter)):
       raise TypeError(f"router must be a DeepSeekV3Router or Qwen3MoeRouter, got {type(router).__name__}")
     if router.uses_correction_bias != (weights.correction_bias is not None):
@@ -53,9 +54,6 @@ class Fp8MoE(nnx.Module):
       raise ValueError(f"Fp8MoE needs every expert of its router ({experts}); the weights hold experts "
                        f"[{weights.first_expert}, {weights.first_expert + weights.num_experts}) (with a mesh, "
                        "expert parallelism splits the full set itself)")
-    if weights.correction_bias is not None and tuple(weights.correction_bias.shape) != (experts,):
-      raise ValueError(f"correction_bias must have shape (E,) = ({experts},), got "
-                       f"{tuple(weights.correction_bias.shape)}")
     self.router = router
     self.block_size = tuple(weights.block_size)
     self.options = dict(implementation=implementation, quant_implementation=quant_implementation,
@@ -92,8 +90,29 @@ class Fp8MoE(nnx.Module):
     save_hf_moe(path, prefix, self.moe_weights())
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    """y (..., H) in x's dtype for x (..., H). Eager or under `nnx.jit` / `jax.jit`, the same jitted function of the
+    same plans runs (`_block`): the two give the same bits (docs/CONTRACT.md §8)."""
+    self._check_call(x)
+    return _block(self, x)
+
+  def _check_call(self, x) -> None:
+    """x against the experts, and the router's variables (which a caller may have replaced) as at construction."""
+    _checks.array("x", x, _checks.FLOAT_DTYPES, ndim=None)
+    e, _, h = self.w13_q.shape
+    if len(x.shape) < 1 or x.shape[-1] != h:
+      raise ValueError(f"x must be (..., H) = (..., {h}) for experts of hidden size H={h}, got shape "
+                       f"{tuple(x.shape)}")
+    bias = None if self.correction_bias is None else self.correction_bias[...]
+    weights = MoeWeights(self.w13_q[...], self.w13_s[...], self.w2_q[...], self.w2_s[...], self.gate_weight[...],
+                         self.block_size, bias)
+    check_moe_weights(weights, router_experts=e)
+
+  def forward(self, x: jax.Array) -> jax.Array:
+    """The block on checked arguments (traced inside `_block`)."""
     lead = x.shape[:-1]
-    tokens = x.reshape(-1, x.shape[-1])
+    # The barriers keep the caller's producers and consumers out of the block's fusions, so that XLA compiles the
+    # same computation eager and inlined in a caller's jit.
+    tokens = lax.optimization_barrier(x.reshape(-1, x.shape[-1]))
     logits = self.router.logits(tokens, self.gate_weight[...])
     bias = None if self.correction_bias is None else self.correction_bias[...]
     ids, weights = self.router(logits, bias)
@@ -104,13 +123,21 @@ class Fp8MoE(nnx.Module):
       out = parallel.expert_parallel_fp8_moe(tokens, ids, weights, *experts, self.block_size, mesh=self.mesh,
                                              axis_name=self.axis_name, **self.options)
     if self.shared_gate_up is not None:
-      gate, up = jnp.split(self.shared_gate_up(tokens), 2, axis=-1)
+      # gate and up are rounded to x's dtype (the barrier keeps XLA from folding the rounding into silu's widening).
+      gate, up = jnp.split(lax.optimization_barrier(self.shared_gate_up(tokens)), 2, axis=-1)
       out = out + self.shared_down((jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up).astype(x.dtype))
     if self.mesh is not None and len(lead) != 1 and _mesh.has_explicit_axes(self.mesh):
       # The output is split along its flat token axis; under Explicit axes that axis cannot be unflattened into
       # (..., T') as it is: replicated first.
       out = jax.reshard(out, NamedSharding(self.mesh, PartitionSpec()))
-    return out.reshape(*lead, -1)
+    return lax.optimization_barrier(out.reshape(*lead, -1))
+
+
+@jax.jit
+def _block(layer: Fp8MoE, x: jax.Array) -> jax.Array:
+  """The block's one computation (an NNX module is a pytree: its arrays are the arguments, its configuration static).
+  An eager call runs it compiled once per shape; under a caller's jit it is traced as it is, inlined."""
+  return layer.forward(x)
 
 
 __all__ = ["Fp8MoE", "MoeWeights", "load_hf_moe", "save_hf_moe"]

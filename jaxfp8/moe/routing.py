@@ -1,6 +1,9 @@
 """The routers of the two block-FP8 MoE families (docs/CONTRACT.md §8), as frozen configs that map router logits to
 (topk_ids, topk_weights): `DeepSeekV3Router` and `Qwen3MoeRouter`. Routers stay in float32 (the checkpoints' routers
-are float layers; `quantize_linears` leaves them so)."""
+are float layers; `quantize_linears` leaves them so).
+
+Both take logits (..., E), any leading shape (the tokens, as the layer takes them), and follow one NaN rule: a token
+whose routing values hold a NaN gets NaN for every one of its weights (§8)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,29 @@ from jaxfp8 import _checks
 def _top_k(values: jax.Array, k: int) -> jax.Array:
   """Indices of the k largest values of the last axis, ties to the lower index (`lax.top_k`'s order)."""
   return lax.top_k(values, k)[1]
+
+
+def _token_rows(router: str, logits) -> tuple[tuple[int, ...], int]:
+  """(the tokens' leading shape, E) of logits (..., E), checked."""
+  _checks.array("logits", logits, _checks.FLOAT_DTYPES, ndim=None)
+  if len(logits.shape) < 1:
+    raise ValueError(f"{router}: logits must be (..., E), one row of E expert logits per token, got shape "
+                     f"{tuple(logits.shape)}")
+  return tuple(logits.shape[:-1]), logits.shape[-1]
+
+
+def _nan_tokens_get_nan(values: jax.Array, weights: jax.Array) -> jax.Array:
+  """§8's NaN rule: the weights of a token (a row of `values`, the values its experts are ranked by) holding a NaN
+  are all NaN. `lax.top_k` ranks a NaN by its sign bit (a negative NaN below -inf), so a NaN would otherwise be
+  ranked out of the choice and the token routed on finite weights; transformers' torch.topk ranks NaN first, which
+  makes that token's output NaN."""
+  return jnp.where(jnp.isnan(values).any(-1, keepdims=True), jnp.float32(jnp.nan), weights)
+
+
+def _rounded(x: jax.Array) -> jax.Array:
+  """x as it is stored: XLA's GPU compiler folds a narrowing convert followed by a widening one (simplify-fp-
+  conversions), which would route on values the contract rounds; an optimization barrier keeps the rounding."""
+  return x if jnp.dtype(x.dtype) == jnp.float32 else lax.optimization_barrier(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,19 +74,27 @@ class DeepSeekV3Router:
   def logits(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
     """The router logits (..., E) from x (..., H) and the gate's weight (E, H): in float32, as DeepSeek-V3's model
     computes them."""
-    return jnp.einsum("...h,eh->...e", x.astype(jnp.float32), gate_weight.astype(jnp.float32),
+    return jnp.einsum("...h,eh->...e", _rounded(x).astype(jnp.float32), gate_weight.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)
 
-  def __call__(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """logits (T, E), correction_bias (E,) -> (ids int32 (T, top_k), weights float32 (T, top_k))."""
-    t, e = logits.shape
+  def __call__(self, logits: jax.Array, correction_bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """logits (..., E), correction_bias (E,) -> (ids int32 (..., top_k), weights float32 (..., top_k))."""
+    lead, e = _token_rows("DeepSeekV3Router", logits)
     self.validate(e)
+    if correction_bias is None:
+      raise ValueError(f"DeepSeekV3Router needs correction_bias (the checkpoint's e_score_correction_bias, (E,) = "
+                       f"({e},)), got None")
+    _checks.array("correction_bias", correction_bias, _checks.FLOAT_DTYPES, ndim=None)
     if tuple(correction_bias.shape) != (e,):
-      raise ValueError(f"correction_bias must have shape (E,) = ({e},), got {tuple(correction_bias.shape)}")
-    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+      raise ValueError(f"correction_bias must have shape (E,) = ({e},), one per expert of logits of shape "
+                       f"{tuple(logits.shape)}, got {tuple(correction_bias.shape)}")
+    scores = jax.nn.sigmoid(logits.reshape(-1, e).astype(jnp.float32))
+    t = scores.shape[0]
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(t, self.n_group, e // self.n_group)
     group_scores = lax.top_k(grouped, 2)[0].sum(-1)
+    # inf + (-inf) (bias entries of both signs) ranks last on every platform, not by the sign of the NaN it makes.
+    group_scores = jnp.where(jnp.isnan(group_scores), -jnp.inf, group_scores)
     allowed = jnp.zeros((t, self.n_group), bool).at[
         jnp.arange(t)[:, None], _top_k(group_scores, self.topk_group)].set(True)
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
@@ -68,7 +102,8 @@ class DeepSeekV3Router:
     weights = jnp.take_along_axis(scores, ids, axis=1)
     if self.norm_topk_prob:
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * jnp.float32(self.routed_scaling_factor)
+    weights = _nan_tokens_get_nan(choice, weights * jnp.float32(self.routed_scaling_factor))
+    return ids.astype(jnp.int32).reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,19 +124,22 @@ class Qwen3MoeRouter:
   def logits(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
     """The router logits (..., E) from x (..., H) and the gate's weight (E, H): a linear in x's dtype (float32
     accumulation, rounded to x's dtype), as Qwen3-MoE's model computes them."""
-    return jnp.einsum("...h,eh->...e", x, gate_weight.astype(x.dtype), preferred_element_type=jnp.float32,
-                      precision=lax.Precision.HIGHEST).astype(x.dtype)
+    return _rounded(jnp.einsum("...h,eh->...e", x, gate_weight.astype(x.dtype), preferred_element_type=jnp.float32,
+                               precision=lax.Precision.HIGHEST).astype(x.dtype))
 
   def __call__(self, logits: jax.Array, correction_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """logits (T, E) -> (ids int32 (T, top_k), weights float32 (T, top_k)). Qwen3 has no correction bias."""
+    """logits (..., E) -> (ids int32 (..., top_k), weights float32 (..., top_k)). Qwen3 has no correction bias."""
+    lead, e = _token_rows("Qwen3MoeRouter", logits)
     if correction_bias is not None:
-      raise ValueError("Qwen3MoeRouter takes no correction_bias (that is DeepSeek-V3's router)")
-    self.validate(logits.shape[-1])
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+      raise ValueError("Qwen3MoeRouter takes no correction_bias (that is DeepSeek-V3's router), got an array of "
+                       f"shape {tuple(getattr(correction_bias, 'shape', ()))}")
+    self.validate(e)
+    probs = jax.nn.softmax(logits.reshape(-1, e).astype(jnp.float32), axis=-1)
     weights, ids = lax.top_k(probs, self.top_k)
     if self.norm_topk_prob:
       weights = weights / weights.sum(-1, keepdims=True)
-    return ids.astype(jnp.int32), weights
+    weights = _nan_tokens_get_nan(probs, weights)
+    return ids.astype(jnp.int32).reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
 
 
 Router = DeepSeekV3Router | Qwen3MoeRouter
