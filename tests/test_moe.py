@@ -308,9 +308,10 @@ def test_explain_says_what_runs_and_why():
 @needs_mosaic
 @pytest.mark.parametrize("tokens,top_k,e,h,i", [(64, 8, 32, 7168, 2048), (4096, 8, 128, 2048, 768)])
 def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
-  """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200 to its four
-  Mosaic kernels (the tokens' quantizer, gate_up, the SiLU-and-mul quantizer, down), and around them nothing copies
-  the codes but the one gather of the routed rows, and gate_up's output goes to the SiLU quantizer as it is."""
+  """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200 to its five
+  Mosaic kernels (the tokens' quantizer, the live-row gather, gate_up, the SiLU-and-mul quantizer, down), around
+  them nothing copies the codes (the gather kernel moves them), and gate_up's output goes to the SiLU quantizer as
+  it is."""
   if not MOSAIC_QUANT_IMPORTABLE:
     pytest.skip("the Mosaic quantizer does not import here")
   structs = [jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
@@ -320,13 +321,14 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
   with _platform.abstract_h200():
     plan = moe.explain(structs[0], structs[3], structs[5], top_k)
     assert plan.gate_up.implementation == "mosaic" and plan.quant_h.implementation == "mosaic", str(plan)
+    assert plan.permute.implementation == "mosaic", str(plan)
     exported = jax.export.export(jax.jit(moe.fp8_moe), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == (tokens, h)
   text = exported.mlir_module()
-  assert kernel_calls(text) == ["mosaic_gpu_v2"] * 4, kernel_calls(text)
+  assert kernel_calls(text) == ["mosaic_gpu_v2"] * 5, kernel_calls(text)
   ops = lowered_ops(text)
-  assert ops["f8E4M3FN"] <= {"custom_call", "reshape", "broadcast_in_dim", "gather", "optimization_barrier"}, ops
-  assert sum("stablehlo.gather" in line and "xf8E4M3FN>" in line for line in text.splitlines()) == 1
+  assert ops["f8E4M3FN"] <= {"custom_call", "reshape", "broadcast_in_dim", "optimization_barrier"}, ops
+  assert not any("stablehlo.gather" in line and "xf8E4M3FN>" in line for line in text.splitlines())
   assert ops["bf16"] <= {"custom_call", "reshape", "broadcast_in_dim", "convert", "optimization_barrier"}, ops
   rows = tokens * top_k
   assert f"<{rows}x{2 * i}xf32>" not in text, "gate_up's output widened to float32 outside the kernels"
@@ -582,3 +584,24 @@ def test_gpu_gather_combine_is_bit_identical_to_the_scatter_combine(rng, out_dty
   for _ in range(6):
     new, old, _, _ = _combine_case(rng, out_dtype)
     np.testing.assert_array_equal(new.view(np.uint32), old.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_deepseek_router_logits_are_float32_sums_of_exact_products(rng, dtype):
+  """docs/CONTRACT.md §8: the gate's dot on 16-bit operands keeps every product exact (float32 accumulation), so the
+  logits are within float32 rounding of the float64 sum; 16-bit operands stay 16-bit in the lowered dot (the tensor
+  cores' speed) and float32 ones take the float32 dot."""
+  router = moe.routing.DeepSeekV3Router()
+  for _ in range(3):
+    t, h, e = int(rng.integers(1, 40)), int(rng.integers(1, 600)), int(rng.integers(1, 300))
+    x = jnp.asarray(rng.standard_normal((t, h)), dtype)
+    w = jnp.asarray(rng.standard_normal((e, h)) * 0.05, dtype)
+    got = np.asarray(router.logits(x, w), np.float64)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    exact = x64 @ w64.T
+    bound = np.abs(x64) @ np.abs(w64).T * (h * np.finfo(np.float32).eps)
+    assert (np.abs(got - exact) <= bound + 1e-30).all()
+  text = jax.jit(router.logits).lower(x, w).as_text()
+  dot = next(line for line in text.splitlines() if "dot_general" in line)
+  if dtype != jnp.float32:
+    assert ("bf16" if dtype == jnp.bfloat16 else "f16") in dot.split("->")[0] and "f32" in dot.split("->")[1], dot

@@ -72,9 +72,17 @@ class DeepSeekV3Router:
 
   @staticmethod
   def logits(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
-    """The router logits (..., E) from x (..., H) and the gate's weight (E, H): in float32, as DeepSeek-V3's model
-    computes them."""
-    return jnp.einsum("...h,eh->...e", _rounded(x).astype(jnp.float32), gate_weight.astype(jnp.float32),
+    """The router logits (..., E) from x (..., H) and the gate's weight (E, H): float32 sums of the exact products,
+    as DeepSeek-V3's model computes them in float32. Where both operands are 16-bit floats (the checkpoints' bfloat16
+    gate and activations) every product of two of them is exact in float32, so the dot runs on their own dtype with
+    float32 accumulation (tensor cores) and gives the same products as a float32 dot; only the summation order is
+    the dot's own (docs/CONTRACT.md §8)."""
+    x = _rounded(x)
+    common = jnp.promote_types(x.dtype, gate_weight.dtype)
+    if common in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      return jnp.einsum("...h,eh->...e", x.astype(common), gate_weight.astype(common),
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,eh->...e", x.astype(jnp.float32), gate_weight.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)
 
   def __call__(self, logits: jax.Array, correction_bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
