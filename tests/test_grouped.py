@@ -562,3 +562,19 @@ def test_gpu_masked_expert_shapes(shape, t):
   flat_scales = jnp.moveaxis(a_s[:, :, :t], 0, 1).reshape(k // 128, e * t)
   _check_sampled(out.reshape(e * t, n), a_q.reshape(e * t, k), b_q, flat_scales, b_s,
                  [g * t + np.arange(masked_m[g]) for g in range(e)], rng)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "masked"])
+def test_zero_unowned_rows_is_a_checked_option_of_the_public_calls(rng, layout):
+  """The owned rows are the same bits with or without zeroing the others (XLA: it writes zeros anyway)."""
+  if layout == "ragged":
+    args, _ = _ragged_case(rng, [3, 0, 9], 20, 256, 256)
+    call, owned = jaxfp8.ragged_w8a8_block_fp8_matmul, np.arange(20) < 12
+  else:
+    args, _ = _masked_case(rng, [3, 0, 9], 12, 256, 256)
+    call, owned = jaxfp8.masked_w8a8_block_fp8_matmul, np.arange(12)[None, :] < np.array([3, 0, 9])[:, None]
+  zeroed = np.asarray(call(*args, (128, 128), implementation="xla", out_dtype=jnp.float32))
+  free = np.asarray(call(*args, (128, 128), implementation="xla", out_dtype=jnp.float32, zero_unowned_rows=False))
+  np.testing.assert_array_equal(free[owned], zeroed[owned])
+  with pytest.raises(TypeError, match="zero_unowned_rows"):
+    call(*args, (128, 128), implementation="xla", zero_unowned_rows="no")

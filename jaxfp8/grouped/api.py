@@ -27,7 +27,7 @@ I32 = jnp.dtype(jnp.int32)
 def ragged_w8a8_block_fp8_matmul(
     a_q: jax.Array, b_q: jax.Array, a_s: jax.Array, b_s: jax.Array, group_sizes: jax.Array,
     block_size: tuple[int, int], *, a_s_column_major: bool = False, out_dtype=jnp.bfloat16,
-    implementation: str | None = None, config=None, interpret: bool | None = None,
+    implementation: str | None = None, config=None, interpret: bool | None = None, zero_unowned_rows: bool = True,
 ) -> jax.Array:
   """Row r of group e: C[r] = (a_q[r] * a_s[r]) @ (b_q[e] * b_s[e])^T, block-scaled as docs/CONTRACT.md §2.
 
@@ -43,11 +43,13 @@ def ragged_w8a8_block_fp8_matmul(
     block_size: (gn, gk), the weights' scale block; gk is also the activations' group size.
     a_s_column_major, out_dtype, implementation, config, interpret: as for `jaxfp8.w8a8_block_fp8_matmul`
       (implementation "mosaic" or "xla"; a config is the Mosaic kernel's `MosaicGemmConfig`).
+    zero_unowned_rows: True (default): the rows no group owns come out 0. False: they are unspecified (the Mosaic
+      kernel neither computes nor stores them, which saves their stores and CTAs), for callers that never read them.
 
   Returns:
     (M, N) array of out_dtype.
   """
-  p = _problem("ragged", a_q, b_q, a_s, b_s, group_sizes, block_size, a_s_column_major, out_dtype)
+  p = _problem("ragged", a_q, b_q, a_s, b_s, group_sizes, block_size, a_s_column_major, out_dtype, zero_unowned_rows)
   plan = _plan(p, implementation, config, interpret, None)
   return transformable(plan)(a_q, b_q, a_s, b_s, group_sizes)
 
@@ -55,7 +57,7 @@ def ragged_w8a8_block_fp8_matmul(
 def masked_w8a8_block_fp8_matmul(
     a_q: jax.Array, b_q: jax.Array, a_s: jax.Array, b_s: jax.Array, masked_m: jax.Array,
     block_size: tuple[int, int], *, a_s_column_major: bool = False, out_dtype=jnp.bfloat16,
-    implementation: str | None = None, config=None, interpret: bool | None = None,
+    implementation: str | None = None, config=None, interpret: bool | None = None, zero_unowned_rows: bool = True,
 ) -> jax.Array:
   """Expert e, row t < masked_m[e]: C[e, t] = (a_q[e, t] * a_s[e, t]) @ (b_q[e] * b_s[e])^T (docs/CONTRACT.md §7).
 
@@ -67,12 +69,14 @@ def masked_w8a8_block_fp8_matmul(
       column-major scales with masked_m.
     masked_m: int32 (E,), traced: expert e's live rows. Rows t >= masked_m[e] are not computed and come out 0,
       whatever a_q and a_s hold there (negative counts are 0, counts past T are T).
-    block_size, a_s_column_major, out_dtype, implementation, config, interpret: as for the ragged layout.
+    block_size, a_s_column_major, out_dtype, implementation, config, interpret, zero_unowned_rows: as for the
+      ragged layout (with zero_unowned_rows=False the rows t >= masked_m[e] are unspecified: a fixed-shape decode
+      step that reads only the live rows skips every empty expert's zero stores).
 
   Returns:
     (E, T, N) array of out_dtype.
   """
-  p = _problem("masked", a_q, b_q, a_s, b_s, masked_m, block_size, a_s_column_major, out_dtype)
+  p = _problem("masked", a_q, b_q, a_s, b_s, masked_m, block_size, a_s_column_major, out_dtype, zero_unowned_rows)
   plan = _plan(p, implementation, config, interpret, None)
   return transformable(plan)(a_q, b_q, a_s, b_s, masked_m)
 
@@ -95,12 +99,14 @@ def transformable(plan: planner.GroupedPlan):
       "dequantized experts)")
 
 
-def _problem(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, out_dtype) -> planner.GroupedProblem:
+def _problem(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, out_dtype,
+             zero_unowned_rows=True) -> planner.GroupedProblem:
   """The problem of a call, its arrays checked against each other (the calls' and `plan_for`'s one check)."""
   block_size, a_s_column_major, out_dtype = _validate(layout, a_q, b_q, a_s, b_s, counts, block_size,
                                                       a_s_column_major, out_dtype)
   return planner.problem(layout, b_q.shape[0], a_q.shape[-2], b_q.shape[1], a_q.shape[-1], block_size,
-                         out_dtype=out_dtype, a_s_column_major=a_s_column_major)
+                         out_dtype=out_dtype, a_s_column_major=a_s_column_major,
+                         zero_unowned_rows=_checks.flag("zero_unowned_rows", zero_unowned_rows))
 
 
 def _plan(p: planner.GroupedProblem, implementation, config, interpret, device) -> planner.GroupedPlan:
@@ -155,7 +161,7 @@ def _validate(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, 
 
 def plan_for(a_q, b_q, block_size, *, out_dtype=jnp.bfloat16, a_s_column_major: bool = False,
              implementation: str | None = None, config=None, interpret: bool | None = None,
-             device: _platform.Device | None = None) -> planner.GroupedPlan:
+             device: _platform.Device | None = None, zero_unowned_rows: bool = True) -> planner.GroupedPlan:
   """The plan a grouped call runs for operands of these shapes (arrays or `jax.ShapeDtypeStruct`s) on `device`
   (default: the device programs are built for here): the ragged layout for a 2-D a_q (M, K), the masked one for a
   3-D a_q (E, T, K). Raises what the call raises for these operands: the same check, on stand-ins for the scales and
@@ -173,5 +179,5 @@ def plan_for(a_q, b_q, block_size, *, out_dtype=jnp.bfloat16, a_s_column_major: 
   a_s = (*lead, k_groups, rows) if a_s_column_major is True else (*lead, rows, k_groups)
   b_s = (groups, -(-b_shape[1] // gn), -(-b_shape[2] // gk)) if len(b_shape) == 3 else ()
   p = _problem(layout, a_q, b_q, jax.ShapeDtypeStruct(a_s, F32), jax.ShapeDtypeStruct(b_s, F32),
-               jax.ShapeDtypeStruct((groups,), I32), (gn, gk), a_s_column_major, out_dtype)
+               jax.ShapeDtypeStruct((groups,), I32), (gn, gk), a_s_column_major, out_dtype, zero_unowned_rows)
   return _plan(p, implementation, config, interpret, device)
