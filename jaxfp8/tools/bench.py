@@ -136,8 +136,9 @@ def select_implementations(requested: Sequence[str] | None, ops: Sequence[str], 
   asked = [name for op in ops for name in chosen[op] if requested or "[" in name]
   why = sorted({reason for name in asked if (reason := unavailable(name, on_gpu))})
   if why:
-    raise args.CommandError(f"--implementations: {'; '.join(why)}; this machine has "
-                            f"{jax.devices()[0].device_kind} (leave --implementations out for every one that runs)")
+    flag = "--implementations" if requested else "--gemm_configs"
+    raise args.CommandError(f"{flag}: {'; '.join(why)}; this machine has {jax.devices()[0].device_kind} (leave "
+                            f"{flag} out for every one that runs)")
   return chosen
 
 

@@ -131,17 +131,19 @@ def config_contender(text: str) -> tuple[str, object]:
   backend = gemm.planner.BACKENDS[implementation]
   cls = backend.config_class()
   known = {f.name for f in dataclasses.fields(cls)}
-  kwargs = {}
+  kwargs, given = {}, []
   for item in (f.strip() for f in fields.split(",") if f.strip()):
     name, equals, value = (part.strip() for part in item.partition("="))
     if not equals or name not in known:
-      raise ValueError(f"{text!r}: {item!r} is not field=value with a field of {cls.__name__} ({', '.join(sorted(known))})")
+      raise ValueError(f"{text!r}: {item!r} is not field=value with a field of {cls.__name__} "
+                       f"({', '.join(sorted(known))})")
     kwargs[name] = _config_value(value, cls)
+    given.append(f"{name}={value}")
   try:
     config = cls(**kwargs)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{text!r}: {e}") from None
-  return f"{implementation}[{','.join(f'{k}={v}' for k, v in kwargs.items())}]", config
+  return f"{implementation}[{','.join(given)}]", config
 
 
 def _config_value(text: str, cls):
