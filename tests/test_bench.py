@@ -101,7 +101,8 @@ def test_gemm_and_linear_ops(tmp_path, rng):
   gemm, linear = _by_impl(result, "gemm"), _by_impl(result, "linear")
   assert set(gemm) == {"xla", "dequant_bf16", "fp8_per_tensor"} and set(linear) == set(bench.IMPLEMENTATIONS["linear"])
   assert all(r["rel_err"] <= 5e-3 and r["bound"] == 5e-3 for r in linear.values() if r["implementation"] != "quant")
-  assert linear["quant"]["scales_exact"] and gemm["xla"]["role"] == "ours" and gemm["fp8_per_tensor"]["role"] == "ceiling"
+  assert linear["quant"]["scales_exact"] and gemm["xla"]["role"] == "ours"
+  assert gemm["fp8_per_tensor"]["role"] == "ceiling"
 
 
 def test_linear_grad_op(tmp_path, rng):
@@ -138,7 +139,8 @@ def test_moe_op_times_every_step_and_checks_the_layer(tmp_path, rng):
     assert summed["us"] == pytest.approx(sum(rows[s]["us"] for s in steps))
     gemm_us = rows["gate_up"]["us"] + rows["down"]["us"]
     assert summed["non_gemm_share"] == pytest.approx(1 - gemm_us / summed["us"]) and summed["within_bound"]
-    assert rows["layer"]["within_bound"] and rows["layer"]["rel_err"] <= 1e-2 and rows["ragged_dot_bf16"]["within_bound"]
+    assert rows["layer"]["within_bound"] and rows["layer"]["rel_err"] <= 1e-2
+    assert rows["ragged_dot_bf16"]["within_bound"]
     layer = rows["layer"]
     local = layer["local_rows"]
     assert local == t * 2 and layer["active_experts"] <= min(8, local)  # tiny: all 8 experts are local, top-2

@@ -82,10 +82,11 @@ flags.DEFINE_list("routing", ["balanced"], f"grouped: routings, some of {', '.jo
 flags.DEFINE_list("moe_layers", None, f"moe: layers, some of {', '.join(bench_moe.LAYERS)}. Default: "
                   f"{','.join(bench_moe.GPU_LAYERS)} (CPU: {','.join(bench_moe.CPU_LAYERS)}).", **_KW)
 flags.DEFINE_string("tokens", None, "moe: token counts T, ','-separated. Default: "
-                    f"{','.join(map(str, bench_moe.DEFAULT_TOKENS))} (CPU: {','.join(map(str, bench_moe.CPU_TOKENS))}).",
-                    **_KW)
+                    f"{','.join(map(str, bench_moe.DEFAULT_TOKENS))} "
+                    f"(CPU: {','.join(map(str, bench_moe.CPU_TOKENS))}).", **_KW)
 flags.DEFINE_string("valid_rows_cases", None, f"valid_rows: {bench_valid_rows.CASES_HELP}. Default: DeepSeek-V3 "
-                    "q_proj at 4096:2100 and 1024:300, dense_down and Qwen3-32B qkv at 256:70 (CPU: a tiny one).", **_KW)
+                    "q_proj at 4096:2100 and 1024:300, dense_down and Qwen3-32B qkv at 256:70 (CPU: a tiny one).",
+                    **_KW)
 flags.DEFINE_list("implementations", None, "Implementations to time (see the roles above; a name may serve several "
                   "ops). Default: every one that runs here.", **_KW)
 flags.DEFINE_list("block_size", ["128", "128"], "Quantization block (gn, gk).", **_KW)

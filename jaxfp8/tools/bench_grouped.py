@@ -250,7 +250,8 @@ def _measure(impl: str, fn, operands, bf16: list, sizes: np.ndarray, check, bloc
     note = "every row against expert 0's weight"
   else:
     err = _error(out, sample, expected, cols, r)
-  row = dict(us=timer(fn, [args], iterations=iterations), rel_err=err, bound=BF16_BOUND, within_bound=bool(err <= BF16_BOUND))
+  row = dict(us=timer(fn, [args], iterations=iterations), rel_err=err, bound=BF16_BOUND,
+             within_bound=bool(err <= BF16_BOUND))
   return row if note is None else dict(row, note=note)
 
 

@@ -369,7 +369,8 @@ def summary_table(rows: list[dict]) -> str:
     err = f"{cells['layer']['rel_err']:.2e}" if "rel_err" in cells.get("layer", {}) else "-"
     lines.append(f"| {shape} | {t} | {any_row['local_rows']} | {any_row['active_experts']} | " +
                  " | ".join(bench_report.cell_us(cells.get(s)) for s in steps) +
-                 f" | {bench_report.cell_us(cells.get('steps_summed'))} | {share} | {any_row['weight_stream_us']:.1f} | "
+                 f" | {bench_report.cell_us(cells.get('steps_summed'))} | {share} | "
+                 f"{any_row['weight_stream_us']:.1f} | "
                  f"{bench_report.cell_us(cells.get('layer'), 'x_weight_stream')} | "
                  f"{bench_report.cell_us(cells.get('ragged_dot_bf16'))} | "
                  f"{bench_report.cell_us(cells.get('pallas_ragged_bf16'))} | {err} |")

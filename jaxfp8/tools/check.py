@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from absl import flags
 
@@ -66,7 +67,7 @@ class Case:
   """One check: the op, what it runs on (for the table), and `run(implementation, rng) -> Outcome`."""
   op: str
   shape: str
-  run: object
+  run: Callable
 
 
 class Refused(Exception):
@@ -119,8 +120,8 @@ def quant_case(m: int, k: int) -> Case:
                                                  scale_tma_aligned=True, row_alignment=4)
     q, s = np.asarray(q), np.asarray(s)
     if q.shape != ref_q.shape or s.shape != ref_s.shape:
-      return Outcome(plan.implementation, plan.implementation, plan.reason, f"shapes {q.shape}, {s.shape} vs {ref_q.shape}, {ref_s.shape}",
-                     False, ms)
+      return Outcome(plan.implementation, plan.implementation, plan.reason,
+                     f"shapes {q.shape}, {s.shape} vs {ref_q.shape}, {ref_s.shape}", False, ms)
     scales_exact = np.array_equal(s.view(np.uint32), ref_s.view(np.uint32))
     distance = ref.fp8_code_distance(q, ref_q)
     off = int(np.count_nonzero(distance))

@@ -132,7 +132,8 @@ def _figure_rows(result: dict, shapes: Sequence[str] | None, ops: Sequence[str] 
     raise ValueError("the results hold no timed rows to plot")
   missing = [s for s in shapes or () if not any(s in panels for _, _, panels, _ in out)]
   if missing:
-    raise ValueError(f"shapes {missing} are not in the results; they hold {sorted(p for _, _, ps, _ in out for p in ps)}")
+    held = sorted(p for _, _, panels, _ in out for p in panels)
+    raise ValueError(f"shapes {missing} are not in the results; they hold {held}")
   return [row for row in out if row[3]]
 
 
