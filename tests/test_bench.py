@@ -151,6 +151,19 @@ def test_moe_op_times_every_step_and_checks_the_layer(tmp_path, rng):
   assert "MoE layer step by step" in (tmp_path / "op.md").read_text()
 
 
+def test_moe_op_on_an_expert_parallel_share(tmp_path, rng):
+  """4 local experts of 16 (DeepSeek-V3's router): slots routed elsewhere add nothing, and a token count whose slots
+  all went to other devices has no weight-streaming time (nothing to read) rather than a division by zero."""
+  result = _bench(tmp_path, rng, "--ops=moe", "--moe_layers=tiny_ep4", "--tokens=1,2,12",
+                  "--implementations=layer,ragged_dot_bf16")
+  layers = {r["m"]: r for r in result["rows"] if r["implementation"] == "layer"}
+  assert set(layers) == {1, 2, 12} and all(r["family"] == "deepseek_v3" for r in result["raw"]["moe"])
+  for t, r in layers.items():
+    assert 0 <= r["local_rows"] <= 2 * t and r["active_experts"] <= min(4, r["local_rows"])
+    assert (r["weight_stream_us"] > 0) == (r["local_rows"] > 0) == ("x_weight_stream" in r)
+  assert layers[12]["local_rows"] < 24  # 12 tokens x top-2 of 16 experts: some slots are another device's
+
+
 def test_valid_rows_op(tmp_path, rng):
   result = _bench(tmp_path, rng, "--ops=valid_rows", "--valid_rows_cases=256x384:64:13;256x384:128:70")
   rows = {(r["bucket"], r["implementation"]): r for r in result["rows"]}

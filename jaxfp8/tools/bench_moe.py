@@ -6,6 +6,8 @@ Layers (one device's share; --moe_layers):
                    256-expert logits; the ids of the 224 other experts fall outside [0, 32) and are skipped)
   qwen3_30b_a3b    Qwen3-30B-A3B: 128 experts, H=2048, I=768, top-8
   tiny             8 experts, H=256, I=128, top-2 (the CPU default: it checks the command)
+  tiny_ep4         4 local of 16 experts, H=256, I=128, top-2 of 16 by DeepSeek-V3's router (a tiny expert-parallel
+                   share: the CPU check of ids outside the local experts)
 Rows, per layer and token count T (--tokens):
   the steps (role "part", `layer_steps`: the one list of the layer's steps and how each is built), each jitted alone
         on the previous steps' outputs: route (the gate's logits and the router), sort (the routed slots in expert
@@ -56,6 +58,7 @@ LAYERS = {
     "deepseek_v3_ep8": Layer(32, 256, 7168, 2048, 8, "deepseek_v3"),
     "qwen3_30b_a3b": Layer(128, 128, 2048, 768, 8, "qwen3"),
     "tiny": Layer(8, 8, 256, 128, 2, "qwen3"),
+    "tiny_ep4": Layer(4, 16, 256, 128, 2, "deepseek_v3"),
 }
 GPU_LAYERS = ("deepseek_v3_ep8", "qwen3_30b_a3b")
 CPU_LAYERS = ("tiny",)
@@ -268,8 +271,8 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
 
     def record(contender, role, **fields):
       row = dict(base, contender=contender, role=role, **fields)
-      if "us" in row and role in ("ours", "baseline", "summary"):
-        row["x_weight_stream"] = row["us"] / row["weight_stream_us"] if row["weight_stream_us"] else None
+      if "us" in row and role in ("ours", "baseline", "summary") and row["weight_stream_us"]:
+        row["x_weight_stream"] = row["us"] / row["weight_stream_us"]  # none when no token chose a local expert
       rows.append(row)
       log(format_row(row))
 

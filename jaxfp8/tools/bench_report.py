@@ -163,5 +163,5 @@ def cell_us(r: dict | None, ratio_key: str | None = None) -> str:
     return "-"
   if "error" in r:
     return "n/a" if "needs" in r["error"] else "error"
-  extra = f" ({r[ratio_key]:.2f}x)" if ratio_key and ratio_key in r else ""
+  extra = f" ({r[ratio_key]:.2f}x)" if ratio_key and r.get(ratio_key) is not None else ""
   return f"{r['us']:.1f}{extra}{'' if r.get('within_bound', True) else ' FAILED'}"
