@@ -23,7 +23,7 @@ from jaxfp8.tools import args
 PROG = "python -m jaxfp8"
 COMMANDS = {
     "check": ("jaxfp8.tools.check", "(the default) the quantizer, the linear on real-model weights and a small MoE "
-              "layer of each family, each against the float64 reference, in one table (CPU: about 10 s)"),
+              "layer of each family, each against the float64 reference, in one table (CPU: about 6 s)"),
     "bench": ("jaxfp8.tools.bench", "time every op (--ops=quant,gemm,linear,linear_grad,grouped,moe,valid_rows), "
               "implementation and baseline in one run, each output checked first: a table, --out JSON and markdown "
               "(GPU: CUPTI kernel times; CPU: wall clock of the XLA paths on tiny problems)"),
