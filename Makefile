@@ -1,5 +1,5 @@
-# `make run`: the main job; `make test`: the CPU test suite (incl. every notebook); `make bench-cpu`: the benchmark
-# command on a tiny shape list. All create .venv (Python >= 3.12, the newest JAX the supported range admits) on first
+# `make run`: the main job (each op on real-model shapes against the float64 reference, one table); `make test`: the
+# CPU test suite (incl. every notebook); `make bench-cpu`: the benchmark command on a tiny shape list. All create .venv (Python >= 3.12, the newest JAX the supported range admits) on first
 # use. `make test-jax-0.11`: the same suite in .venv-jax0.11 against the oldest JAX of the range (CI runs both).
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -41,9 +41,11 @@ bench-cpu: $(VENV)/.installed
 	$(PY) -m jaxfp8 bench --shapes='$(BENCH_CPU_SHAPES)' --iterations=3 --out=build/bench_cpu.json
 	$(PY) -m jaxfp8 plot --json=build/bench_cpu.json --out=build/bench_cpu.png
 
-# The PNG beside every committed results JSON, regenerated from the JSON alone.
+# The PNG beside every committed results JSON, regenerated from the JSON alone (tests/test_bench.py checks that every
+# JSON of bench or tp has one).
 plots: $(VENV)/.installed
-	for json in benchmarks/bench_*.json benchmarks/quant_*.json benchmarks/tp_*.json; do $(PY) -m jaxfp8 plot --json=$$json --out=$${json%.json}.png || exit 1; done
+	for json in benchmarks/*.json; do png=$${json%.json}.png; [ -e "$$png" ] || continue; \
+	  $(PY) -m jaxfp8 plot --json=$$json --out=$$png || exit 1; done
 
 # Rewrite notebooks/*.ipynb (outputs stripped) from notebooks/make_notebooks.py.
 notebooks: $(VENV)/.installed

@@ -141,8 +141,9 @@ in block FP8, a float router. This notebook
 2. runs `jaxfp8.moe.fp8_moe_from_logits` and compares it with the same block in bf16 and with the float64 reference
    (docs/CONTRACT.md §8), and shows the plan (`moe.explain`),
 3. plots how many routed rows each expert received,
-4. plots the layer op by op: the H200 results of `scripts/bench_moe.py` when `benchmarks/moe_h200.json` exists,
-   otherwise the same script on a tiny layer here (on CPU: wall clock, which only shows the script working).
+4. plots the layer step by step: the H200 results of `python -m jaxfp8 bench --ops=moe` when
+   `benchmarks/moe_h200.json` exists, otherwise the same benchmark on a tiny layer here (on CPU: wall clock, which only
+   shows the command working).
 
 It runs unchanged on CPU (XLA, the Mosaic kernels not at all) and on a Hopper GPU (the Mosaic grouped GEMMs)."""),
     new_code_cell("""import json
@@ -201,44 +202,40 @@ fig, ax = plt.subplots(figsize=(7, 3))
 ax.bar(np.arange(E), np.asarray(group_sizes))
 ax.set_xlabel("expert"); ax.set_ylabel("routed rows"); ax.set_title(f"{T} tokens x top-{TOP_K} over {E} experts")
 plt.show()"""),
-    new_markdown_cell("""## 4. The layer op by op
-`scripts/bench_moe.py` times each op of the layer alone (route, sort, quantize, permute, gate_up, silu_quant, down,
-combine), the whole layer, and the same layer in bf16. On the H200 it is CUPTI kernel time (`scripts/gpu_round.sh
-moe` writes `moe_h200.json`); here, without that file, it runs a tiny layer on this machine."""),
-    new_code_cell("""import importlib.util
-import sys
+    new_markdown_cell("""## 4. The layer step by step
+`python -m jaxfp8 bench --ops=moe` times each step of the layer alone (route, sort, quantize, permute, gate_up,
+silu_quant, down, combine), the whole layer, and the same layer in bf16, each checked against the float64 reference
+first. On the H200 it is CUPTI kernel time (`scripts/gpu_round.sh moe` writes `moe_h200.json`); here, without that
+file, it runs a tiny layer on this machine."""),
+    new_code_cell("""from jaxfp8.tools import bench
 
-root = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "scripts").is_dir() and (p / "jaxfp8").is_dir())
+root = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks").is_dir() and (p / "jaxfp8").is_dir())
 saved = root / "benchmarks" / "moe_h200.json"
 if saved.exists():
   result = json.loads(saved.read_text())
 else:
-  spec = importlib.util.spec_from_file_location("bench_moe", root / "scripts" / "bench_moe.py")
-  bench_moe = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench_moe)
-  bench_moe.FLAGS(["bench_moe"])  # the script's flags at their defaults (absl parses them once)
-  on_gpu = jax.default_backend() == "gpu"
-  rows = bench_moe.run_layer("tiny", [8, 64], iterations=3, seed=0, on_gpu=on_gpu, log=lambda line: None)
-  result = dict(device=jax.devices()[0].device_kind, timing="this machine, " + ("CUPTI" if on_gpu else "wall clock"),
-                rows=rows)
+  result = bench.run(["moe"], problems=bench.Problems(moe_layers=("tiny",), tokens=(8, 64)), iterations=3,
+                     log=lambda *_: None)
 print(result["device"], "|", result["timing"])
+rows = [r for r in result["rows"] if r["op"] == "moe" and "us" in r]
+assert all(r["within_bound"] for r in rows if "within_bound" in r)  # each output against the float64 reference
 
-OPS = ["route", "sort", "quantize", "permute", "gate_up", "silu_quant", "down", "combine"]
-cases = sorted({(r["layer"], r["tokens"]) for r in result["rows"]})
-times = {(r["layer"], r["tokens"], r["contender"]): r["us"] for r in result["rows"]}
+steps = list(dict.fromkeys(r["implementation"] for r in rows if r.get("step")))
+cases = sorted({(r["shape"], r["m"]) for r in rows})
+times = {(r["shape"], r["m"], r["implementation"]): r["us"] for r in rows}
 fig, ax = plt.subplots(figsize=(8, 0.6 * len(cases) + 1.5))
 for row, case in enumerate(cases):
   left = 0.0
-  for i, op in enumerate(OPS):
-    us = times.get((*case, f"fp8.{op}"), 0.0)
-    ax.barh(row, us, left=left, color=plt.cm.tab10(i), label=op if row == 0 else None)
+  for i, step in enumerate(steps):
+    us = times.get((*case, step), 0.0)
+    ax.barh(row, us, left=left, color=plt.cm.tab10(i), label=step if row == 0 else None)
     left += us
-  for name, marker in (("fp8.layer", "|"), ("bf16.ragged_dot.layer", "x"), ("bf16.pallas.layer", "+")):
+  for name, marker in (("layer", "|"), ("ragged_dot_bf16", "x"), ("pallas_ragged_bf16", "+")):
     if (*case, name) in times:
       ax.plot(times[(*case, name)], row, marker, color="k", markersize=12, label=name if row == 0 else None)
 ax.set_yticks(range(len(cases)), [f"{layer} T={t}" for layer, t in cases])
 ax.set_xlabel("microseconds"); ax.legend(fontsize=7, ncol=3, loc="lower right")
-ax.set_title("MoE layer: each op alone (bars) and the whole layer (markers)")
+ax.set_title("MoE layer: each step alone (bars) and the whole layer (markers)")
 plt.show()"""),
 ]
 

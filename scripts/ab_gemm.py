@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfp8 import _platform, gemm
-from jaxfp8.tools import bench, bench_gemm, timing
+from jaxfp8.tools import bench_gemm, timing
 from jaxfp8.tools.args import UsageError, parse_shapes
 
 BLOCK_SIZE = (128, 128)
@@ -83,7 +83,7 @@ def compare(base, new, implementation: str, m: int, n: int, k: int, *, reps: int
   fns = {name: kernel_fn(module, implementation, config, interpret) for name, module in (("base", base), ("new", new))}
   outs = {name: np.asarray(fn(*arg_sets[0]).astype(jnp.float32)) for name, fn in fns.items()}
   scale = float(np.linalg.norm(outs["base"])) or 1.0
-  timer = (lambda fn: bench.median_wall_us(fn, arg_sets, iterations=iterations)) if interpret else (
+  timer = (lambda fn: timing.median_wall_us(fn, arg_sets, iterations=iterations)) if interpret else (
       lambda fn: timing.median_kernel_us(fn, arg_sets, iterations=iterations))
   rounds = {name: [] for name in fns}
   for _ in range(reps):

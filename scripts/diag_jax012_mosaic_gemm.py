@@ -27,11 +27,12 @@ import os
 import pathlib
 import sys
 
-OUT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "diag_out")
+OUT = pathlib.Path(sys.argv[1] if __name__ == "__main__" and len(sys.argv) > 1 else "diag_out")
 DUMPS = OUT / "dumps"
-DUMPS.mkdir(parents=True, exist_ok=True)
-# Read by the CUDA plugin when it compiles a Mosaic GPU kernel: set before JAX starts.
-os.environ.update(MOSAIC_GPU_DUMP_TO=str(DUMPS), MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+if __name__ == "__main__":
+  DUMPS.mkdir(parents=True, exist_ok=True)
+  # Read by the CUDA plugin when it compiles a Mosaic GPU kernel: set before JAX starts.
+  os.environ.update(MOSAIC_GPU_DUMP_TO=str(DUMPS), MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
 
 import dataclasses  # noqa: E402
 import importlib.metadata  # noqa: E402

@@ -22,26 +22,29 @@
 #                 (~2 min; BENCH_QUANT_ARGS overrides them)
 #   grouped       the grouped GEMM's GPU tests (tests/test_grouped.py -m hopper: DeepSeek-V3 EP8 and Qwen3-30B-A3B
 #                 expert shapes, ragged and masked, every expert's sampled rows against the reference), then
-#                 python -m jaxfp8 bench --ops=grouped_gemm (ours, lax.ragged_dot and JAX's Pallas ragged dot in bf16,
-#                 our dense GEMM at the same rows; GROUPED_BENCH_ARGS overrides; stops between shapes at 420 s).
-#                 The GPU tests single-process: 18 of 24 in 70 s; the bench aborted in ptxas (WORKSPACE.md)
+#                 python -m jaxfp8 bench --ops=grouped (ours ragged and masked, lax.ragged_dot and JAX's Pallas ragged
+#                 dot in bf16, our dense GEMM at the same rows, each problem's floor; GROUPED_BENCH_ARGS overrides;
+#                 stops between shapes at 420 s). The GPU tests single-process: 18 of 24 in 70 s; an earlier version
+#                 of the bench aborted in ptxas (WORKSPACE.md)
 #   moe           tests/test_moe.py and tests/test_moe_hardening.py on the GPU (the layer on the real kernels against
 #                 the reference; eager and jit bit-identical), then
-#                 scripts/bench_moe.py: the MoE layer op by op (route, sort, quantize, permute, gate_up, silu_quant,
-#                 down, combine) and whole, beside the same layer in bf16 on lax.ragged_dot and JAX's Pallas ragged
-#                 dot, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 1, 64, 4096 tokens (MOE_BENCH_ARGS). Not yet run
+#                 python -m jaxfp8 bench --ops=moe: the MoE layer step by step (route, sort, quantize, permute,
+#                 gate_up, silu_quant, down, combine) with the non-GEMM share, and whole, beside the same layer in bf16
+#                 on lax.ragged_dot and JAX's Pallas ragged dot, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 1, 64, 4096
+#                 tokens (MOE_BENCH_ARGS overrides, e.g. --tokens; stops between layers at 420 s). Not yet run
 #   valid-rows    valid_rows on the GPU: tests/test_gemm.py -k valid_rows (the masked kernel at M = 13, 130, 4096, a
-#                 two-CTA persistent grid included), then scripts/bench_valid_rows.py (a bucket with valid_rows live
-#                 against a call of the live rows; VALID_ROWS_ARGS). Not yet run
+#                 two-CTA persistent grid included), then python -m jaxfp8 bench --ops=valid_rows (a bucket with
+#                 valid_rows live against the exact rows and the whole bucket; VALID_ROWS_ARGS overrides, e.g.
+#                 --valid_rows_cases). Not yet run
+#   linear-grad   python -m jaxfp8 bench --ops=linear_grad: forward + backward of the linear, FP8 against bf16, on the
+#                 benchmarks' three weights at M = 1, 64, 1024, 4096 (LINEAR_GRAD_ARGS overrides)
 #   notebooks     every notebook's code cells, unchanged, through scripts/run_notebook.py (the image has no Jupyter)
-#   ncu-gemm      Nsight Compute, every section, on one call of the Mosaic GEMM and one of cuBLASLt's per-tensor FP8
-#                 GEMM at M=4096 N=24576 K=7168 (scripts/ncu_gemm.py; NCU_ARGS adds ncu options, NCU_SHAPE script
-#                 options): 20 s on an H200 (benchmarks/ncu_gemm_h200_full.log)
 #   tune          python -m jaxfp8 tune: Triton GEMM configs -> $out/triton_gemm_h200.json, started from a copy of the
 #                 shipped table so that its other entries stay (TUNE_ARGS overrides the shapes, M and --max_configs;
 #                 copy the result into jaxfp8/gemm/configs/ by hand)
 #   bench-gemm    python -m jaxfp8 bench --ops=gemm on the DeepSeek-V3/Qwen3 shapes (several minutes; set
-#                 BENCH_GEMM_ARGS)
+#                 BENCH_GEMM_ARGS, e.g. --gemm_configs='mosaic:tile_m=128,tile_n=256,wg_split=N' to time explicit
+#                 kernel configs beside the planner's)
 #   bench-linear  python -m jaxfp8 bench --ops=linear on DeepSeek-V3 and Qwen3-32B at decode and prefill M
 #                 (BENCH_LINEAR_ARGS overrides)
 #   tp            python -m jaxfp8 tp over every visible GPU (needs 2 or more): column- and row-parallel
@@ -129,14 +132,17 @@ for phase in "${phases[@]}"; do
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench --ops=gemm ${BENCH_GEMM_ARGS:-} --out="$out/gemm_h200.json" ;;
     grouped) run tests_grouped python3 -m pytest tests/test_grouped.py -m "gpu or hopper" "${pytest_args[@]}" \
                --junitxml="$out/tests_grouped.junit.xml"
-             run bench_grouped python3 -m jaxfp8 bench --ops=grouped_gemm ${GROUPED_BENCH_ARGS:---time_budget_s=420} \
-               --out="$out/grouped_gemm_h200.json" ;;
-    moe) run tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
-         run bench_moe python3 scripts/bench_moe.py "$out/moe_h200.json" ${MOE_BENCH_ARGS:-} ;;
+             run bench_grouped python3 -m jaxfp8 bench --ops=grouped ${GROUPED_BENCH_ARGS:---time_budget_s=420} \
+               --out="$out/grouped_h200.json" ;;
+    moe) run tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py tests/test_gather_rows.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
+         run bench_moe python3 -m jaxfp8 bench --ops=moe ${MOE_BENCH_ARGS:---time_budget_s=420} \
+           --out="$out/moe_h200.json" ;;
     valid-rows) run tests_valid_rows python3 -m pytest tests/test_gemm.py -k valid_rows "${pytest_args[@]}" \
                   --junitxml="$out/tests_valid_rows.junit.xml"
-                run bench_valid_rows python3 scripts/bench_valid_rows.py "$out/valid_rows_h200.json" \
-                  ${VALID_ROWS_ARGS:-} ;;
+                run bench_valid_rows python3 -m jaxfp8 bench --ops=valid_rows ${VALID_ROWS_ARGS:-} \
+                  --out="$out/valid_rows_h200.json" ;;
+    linear-grad) run bench_linear_grad python3 -m jaxfp8 bench --ops=linear_grad \
+                   ${LINEAR_GRAD_ARGS:-$gemm_models --m=1,64,1024,4096} --out="$out/linear_grad_h200.json" ;;
     notebooks) run notebooks python3 scripts/run_notebook.py notebooks/quickstart.ipynb notebooks/benchmarks.ipynb notebooks/moe.ipynb ;;
     tune) cp jaxfp8/gemm/configs/triton_gemm_h200.json "$out/triton_gemm_h200.json"
           run tune python3 -m jaxfp8 tune ${TUNE_ARGS:-} --out="$out/triton_gemm_h200.json" ;;
@@ -157,8 +163,6 @@ for phase in "${phases[@]}"; do
       start_bg determinism python3 scripts/determinism.py "$out/determinism_h200.json"
       OUT=$out SANITIZE_JOBS=${SANITIZE_JOBS:-3} start_bg sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-}
       wait_bg ;;
-    ncu-gemm) run ncu_gemm ncu --profile-from-start off --clock-control none --set full ${NCU_ARGS:-} \
-                python3 scripts/ncu_gemm.py ${NCU_SHAPE:-} ;;
     reliability-determinism) run determinism python3 scripts/determinism.py "$out/determinism_h200.json" ;;
     reliability-sanitize) OUT=$out run sanitize scripts/sanitize.sh ${SANITIZE_TOOLS:-} ;;
     *) echo "unknown phase $phase"; status=2 ;;

@@ -1,8 +1,11 @@
-"""`python -m jaxfp8 bench` and `python -m jaxfp8 plot` on CPU: the command line end to end on a tiny shape list,
-and the arithmetic of the table (roofline, speedup over the best baseline). The GPU numbers come from the H200."""
+"""`python -m jaxfp8 bench` and `python -m jaxfp8 plot` on CPU: every op of the command end to end on tiny problems
+(the JSON's rows: their fields and their checks against the float64 reference, not only the exit status), the
+arithmetic of the table (roofline, speedup over the best baseline), the MoE step list, and the benchmarks/ folder's
+index. The GPU numbers come from the H200."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,9 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfp8.tools import args, bench, timing
+from jaxfp8.moe import layer as moe_layer
+from jaxfp8.tools import args, bench, bench_gemm, bench_moe, bench_report, bench_valid_rows, cli, timing
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+ROW_FIELDS = ("op", "shape", "m", "n", "k", "implementation", "role", "us", "rel_err", "bound", "within_bound")
 
 
 def test_bench_command_on_a_tiny_shape_list(tmp_path):
@@ -27,6 +33,7 @@ def test_bench_command_on_a_tiny_shape_list(tmp_path):
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "say nothing about GPU speed" in proc.stdout and "wall us" in proc.stdout
+  assert "is within its bound" in proc.stdout
   result = json.loads(out.read_text())
   assert result["complete"] and result["cpu_warning"] and "WALL-CLOCK" in result["timing"]
   assert result["command"].startswith("python -m jaxfp8 bench '--shapes=1,256,512;") and result["seed"] == 3
@@ -44,7 +51,9 @@ def test_bench_command_on_a_tiny_shape_list(tmp_path):
           assert key in seen, key
   assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
   assert all(r["us"] > 0 and r["gbps"] > 0 and r["pct_roofline"] > 0 for r in rows)
-  assert all(r["within_bf16_bound"] for r in rows if "within_bf16_bound" in r)
+  checked = [r for r in rows if "within_bound" in r]
+  assert all(r["within_bound"] for r in checked) and {r["implementation"] for r in rows} - {
+      r["implementation"] for r in checked} == {"fp8_per_tensor"}  # a speed reference only, on coarser scales
   assert {r["m"] for r in rows if r["op"] == "quant" and r["k"] == 512} == {1, 8}
   md = (tmp_path / "bench_cpu.md").read_text()
   assert "say nothing about GPU speed" in md
@@ -56,6 +65,145 @@ def test_bench_command_on_a_tiny_shape_list(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+# ---- each op on CPU, through the command line ----------------------------------------------------------------------
+
+def _bench(tmp_path, rng, *argv) -> dict:
+  out = tmp_path / "op.json"
+  status = cli.main(["jaxfp8", "bench", *argv, "--iterations=1", f"--seed={int(rng.integers(2**31))}", f"--out={out}"])
+  assert status == 0
+  result = json.loads(out.read_text())
+  assert result["complete"] and result["rows"]
+  for r in result["rows"]:
+    assert "error" not in r, r
+    quantizer = "quant" in (r["op"], r["implementation"])  # §1's check is on codes and scales: no numeric bound
+    missing = [f for f in ROW_FIELDS if f not in r and not (f == "bound" and quantizer)]
+    if r["role"] == "ceiling" or (r["role"] == "part" and r["op"] == "moe"):
+      assert r.get("note") or r.get("step"), r  # a speed reference on other scales; an MoE step (the steps' output
+    else:                                       # is checked on their sum's row)
+      assert not missing, (r["implementation"], missing)
+    assert r["us"] > 0 and r.get("within_bound", True), r
+  return result
+
+
+def _by_impl(result, op):
+  return {r["implementation"]: r for r in result["rows"] if r["op"] == op}
+
+
+def test_quant_op_checks_codes_and_scales(tmp_path, rng):
+  result = _bench(tmp_path, rng, "--ops=quant", "--k=256,1024", "--m=3,8")
+  rows = result["rows"]
+  assert {(r["k"], r["m"], r["implementation"]) for r in rows} == {(k, m, "xla") for k in (256, 1024) for m in (3, 8)}
+  assert all(r["scales_exact"] and r["codes_off"] == 0 and r["rel_err"] == 0.0 for r in rows)  # XLA is exact
+
+
+def test_gemm_and_linear_ops(tmp_path, rng):
+  result = _bench(tmp_path, rng, "--ops=gemm,linear", "--shapes=5,256,384")
+  gemm, linear = _by_impl(result, "gemm"), _by_impl(result, "linear")
+  assert set(gemm) == {"xla", "dequant_bf16", "fp8_per_tensor"} and set(linear) == set(bench.IMPLEMENTATIONS["linear"])
+  assert all(r["rel_err"] <= 5e-3 and r["bound"] == 5e-3 for r in linear.values() if r["implementation"] != "quant")
+  assert linear["quant"]["scales_exact"] and gemm["xla"]["role"] == "ours"
+  assert gemm["fp8_per_tensor"]["role"] == "ceiling"
+
+
+def test_linear_grad_op(tmp_path, rng):
+  result = _bench(tmp_path, rng, "--ops=linear_grad", "--shapes=256,384", "--m=2,9")
+  rows = _by_impl(result, "linear_grad")
+  assert set(rows) == {"fp8_fwd", "fp8_fwd_bwd", "bf16_bwd", "bf16_layer"}
+  assert rows["fp8_fwd_bwd"]["bound"] == 6e-2 and rows["bf16_bwd"]["bound"] == 5e-3
+  assert all(r["y_rel_err"] <= 5e-3 for name, r in rows.items() if name != "fp8_fwd")
+  assert rows["fp8_fwd_bwd"]["flops"] == 2 * rows["fp8_fwd"]["flops"] == 4 * 9 * 256 * 384
+  assert "Linear forward + backward" in (tmp_path / "op.md").read_text()
+
+
+def test_grouped_op_ragged_rows_and_floors(tmp_path, rng):
+  result = _bench(tmp_path, rng, "--ops=grouped", "--expert_shapes=4,256,256", "--routed_rows=40,7",
+                  "--routing=balanced,skewed")
+  rows = result["rows"]
+  assert {(r["shape"], r["m"], r["implementation"]) for r in rows} == {
+      (f"E4.256x256/{routing}", m, name) for routing in ("balanced", "skewed") for m in (40, 7)
+      for name in ("xla", "ragged_dot_bf16", "dense_same_rows")}
+  for r in rows:
+    assert r["floor_us"] > 0 and r["x_floor"] == pytest.approx(r["us"] / r["floor_us"]) and r["layout"] == "ragged"
+    assert r["flops"] == 2 * r["m"] * 256 * 256 and 1 <= r["active_experts"] <= 4
+  assert {r["role"] for r in rows} == {"ours", "baseline", "reference"}
+  assert "| E4.256x256/balanced (E=4, N=256, K=256) | 40 |" in (tmp_path / "op.md").read_text()
+
+
+def test_moe_op_times_every_step_and_checks_the_layer(tmp_path, rng):
+  result = _bench(tmp_path, rng, "--ops=moe", "--moe_layers=tiny", "--tokens=1,9")
+  for t in (1, 9):
+    rows = {r["implementation"]: r for r in result["rows"] if r["m"] == t}
+    steps = [name for name, r in rows.items() if r.get("step")]
+    assert steps == ["route", *moe_layer.STEPS]
+    summed = rows["steps_summed"]
+    assert summed["us"] == pytest.approx(sum(rows[s]["us"] for s in steps))
+    gemm_us = rows["gate_up"]["us"] + rows["down"]["us"]
+    assert summed["non_gemm_share"] == pytest.approx(1 - gemm_us / summed["us"]) and summed["within_bound"]
+    assert rows["layer"]["within_bound"] and rows["layer"]["rel_err"] <= 1e-2
+    assert rows["ragged_dot_bf16"]["within_bound"]
+    layer = rows["layer"]
+    local = layer["local_rows"]
+    assert local == t * 2 and layer["active_experts"] <= min(8, local)  # tiny: all 8 experts are local, top-2
+    weight_bytes = layer["active_experts"] * (2 * 128 * 256 + 256 * 128 + (4 + 2) * 4)  # codes + a scale per block
+    assert layer["weight_stream_us"] == pytest.approx(weight_bytes / 4.3e12 * 1e6)
+    assert layer["x_weight_stream"] == pytest.approx(layer["us"] / layer["weight_stream_us"])
+    assert layer["flops"] == 2 * local * 3 * 128 * 256 and "gate_up" in layer["plan"]
+  assert "MoE layer step by step" in (tmp_path / "op.md").read_text()
+
+
+def test_moe_op_on_an_expert_parallel_share(tmp_path, rng):
+  """4 local experts of 16 (DeepSeek-V3's router): slots routed elsewhere add nothing, and a token count whose slots
+  all went to other devices has no weight-streaming time (nothing to read) rather than a division by zero."""
+  result = _bench(tmp_path, rng, "--ops=moe", "--moe_layers=tiny_ep4", "--tokens=1,2,12",
+                  "--implementations=layer,ragged_dot_bf16")
+  layers = {r["m"]: r for r in result["rows"] if r["implementation"] == "layer"}
+  assert set(layers) == {1, 2, 12} and all(r["family"] == "deepseek_v3" for r in result["raw"]["moe"])
+  for t, r in layers.items():
+    assert 0 <= r["local_rows"] <= 2 * t and r["active_experts"] <= min(4, r["local_rows"])
+    assert (r["weight_stream_us"] > 0) == (r["local_rows"] > 0) == ("x_weight_stream" in r)
+  assert layers[12]["local_rows"] < 24  # 12 tokens x top-2 of 16 experts: some slots are another device's
+
+
+def test_valid_rows_op(tmp_path, rng):
+  result = _bench(tmp_path, rng, "--ops=valid_rows", "--valid_rows_cases=256x384:64:13;256x384:128:70")
+  rows = {(r["bucket"], r["implementation"]): r for r in result["rows"]}
+  assert set(rows) == {(b, c) for b in (64, 128) for c in ("bucket_valid", "bucket_full", "exact")}
+  assert rows[64, "exact"]["rows_computed"] == 64 and rows[128, "exact"]["rows_computed"] == 128
+  assert rows[64, "bucket_valid"]["valid_vs_exact"] == pytest.approx(rows[64, "bucket_valid"]["us"] /
+                                                                     rows[64, "exact"]["us"])
+  assert rows[128, "bucket_full"]["m"] == 70 and rows[128, "bucket_full"]["shape"] == "256x384@128"
+  assert "| 256x384@64 | 13 |" in (tmp_path / "op.md").read_text()
+
+
+def test_valid_rows_cases_and_their_errors():
+  assert bench_valid_rows.parse_cases("deepseek_v3.dense_down:256:70;256x384:64:13;256x384:128:70") == [
+      ("deepseek_v3.dense_down", 7168, 18432, ((256, 70),)), ("256x384", 256, 384, ((64, 13), (128, 70)))]
+  for text, message in (("256x384:64", "not weight:bucket:live"), ("256x384:64:70", "live=70 exceeds bucket=64"),
+                        ("nope.x:64:1", "is not N,K")):
+    with pytest.raises(args.UsageError, match=message):
+      bench_valid_rows.parse_cases(text)
+
+
+def test_moe_steps_reproduce_the_layer(rng):
+  """The benchmark's one list of steps, run in order, is the layer: its output equals `fp8_moe`'s, bit for bit (the
+  same plan on the same backend)."""
+  layer = bench_moe.LAYERS["tiny"]
+  values = bench_moe._layer_values(layer, jax.random.key(int(rng.integers(2**31))))
+  values["x"] = jnp.asarray(rng.standard_normal((11, layer.hidden)), jnp.bfloat16)
+  route = bench_moe._route_fn(layer)
+  plan = bench_moe.moe_planner.plan(11, layer.top_k, layer.experts, layer.hidden, layer.intermediate,
+                                    bench_moe.BLOCK, jnp.bfloat16)
+  steps = bench_moe.layer_steps(plan, route)
+  timed = bench_moe.run_steps(steps, values, lambda fn, arg_sets: 1.0)
+  assert [s.name for s, _ in timed] == [s.name for s in steps] and [s.name for s in steps if s.gemm] == ["gate_up",
+                                                                                                         "down"]
+  whole = bench_moe.moe.fp8_moe(values["x"], values["ids"], values["weights"], values["w13_q"], values["w13_s"],
+                                values["w2_q"], values["w2_s"])
+  np.testing.assert_array_equal(np.asarray(values["out"], np.float32), np.asarray(whole, np.float32))
+
+
+# ---- what to run -----------------------------------------------------------------------------------------------------
 
 def test_time_budget_leaves_an_incomplete_json(tmp_path):
   out = tmp_path / "cut.json"
@@ -70,11 +218,14 @@ def test_implementation_names():
   assert chosen == {"gemm": ["xla", "dequant_bf16"], "linear": ["dequant_bf16"], "quant": ["xla"]}
   with pytest.raises(ValueError, match="cuda_magic"):
     bench.select_implementations(["cuda_magic"], ["gemm"], on_gpu=False)
-  cpu = bench.select_implementations(None, ["gemm", "quant"], on_gpu=False)
+  cpu = bench.select_implementations(None, list(bench.OPS), on_gpu=False)
   assert "torch_scaled_mm" not in cpu["gemm"] and "mosaic" not in cpu["quant"] and "xla" in cpu["quant"]
+  assert cpu["moe"] == ["layer", "steps", "ragged_dot_bf16"] and "masked_mosaic" not in cpu["grouped"]
   if not bench._platform.is_hopper():  # asked for by name, what cannot run here is refused, not an ERROR row
     with pytest.raises(args.CommandError, match="mosaic needs a Hopper GPU"):
       bench.select_implementations(["mosaic", "xla"], ["gemm"], on_gpu=False)
+    with pytest.raises(args.CommandError, match=r"mosaic\[tile_n=256\] needs a Hopper GPU"):
+      bench.select_implementations(None, ["gemm"], on_gpu=False, gemm_configs=["mosaic[tile_n=256]"])
 
 
 def test_steps_run_the_quantizer_once_per_k():
@@ -85,59 +236,123 @@ def test_steps_run_the_quantizer_once_per_k():
   assert bench.steps(["quant"], shapes, [2], {}, [7168, 2048]) == [("quant", 2048, [2]), ("quant", 7168, [2])]
 
 
+def test_default_problems_of_the_other_ops():
+  gpu = bench.problem_steps(["grouped", "moe", "valid_rows"], bench.Problems(), on_gpu=True)
+  grouped = {item[0]: rows for op, item, rows in gpu if op == "grouped"}
+  assert grouped["dsv3_ep8.gate_up"] == [8, 64, 256, 4096, 16384] and grouped["qwen3_30b_a3b.down"][-1] == 32768
+  assert grouped["qwen3_235b_a22b_ep8.gate_up"] == [8, 64, 256, 4096, 16384]
+  assert [(item, tokens) for op, item, tokens in gpu if op == "moe"] == [("deepseek_v3_ep8", [1, 64, 4096]),
+                                                                        ("qwen3_30b_a3b", [1, 64, 4096])]
+  assert [item[3] for op, item, _ in gpu if op == "valid_rows"] == [((4096, 2100), (1024, 300)), ((256, 70),),
+                                                                    ((256, 70),)]
+  layers = {name: bench_moe.LAYERS[name] for name in bench_moe.GPU_LAYERS}
+  assert (layers["deepseek_v3_ep8"].experts, layers["deepseek_v3_ep8"].total_experts) == (32, 256)
+  assert (layers["qwen3_30b_a3b"].hidden, layers["qwen3_30b_a3b"].intermediate) == (2048, 768)
+
+
+def test_gemm_config_contenders(monkeypatch):
+  from pallas_kernels.gemm_mosaic_common import Dim
+  name, config = bench_gemm.config_contender("mosaic:tile_m=128,tile_n=256,wg_split=N,persistent=false")
+  assert name == "mosaic[tile_m=128,tile_n=256,wg_split=N,persistent=false]"
+  assert (config.tile_n, config.wg_split, config.persistent) == (256, Dim.N, False)
+  name, config = bench_gemm.config_contender("triton:block_m=64,split_k=2")
+  assert name.startswith("triton[") and (config.block_m, config.split_k) == (64, 2)
+  for text, message in (("cuda:x=1", "starts with one of mosaic, triton"), ("mosaic:tile_q=1", "tile_q=1"),
+                        ("mosaic:tile_m=100", "tile_m"), ("triton:block_m=x", "not an integer")):
+    with pytest.raises(ValueError, match=message):
+      bench_gemm.config_contender(text)
+  with pytest.raises(args.UsageError, match="--gemm_configs: 'mosaic:tile_m=100'"):
+    bench.parse_gemm_configs("mosaic:tile_m=100")
+  calls = []  # the contender runs the implementation of its name with its config
+  monkeypatch.setattr(bench_gemm.gemm, "w8a8_block_fp8_matmul", lambda *a, **kw: calls.append(kw) or a[0])
+  bench_gemm.jax_contender(name, (128, 128), config=config)(jnp.zeros((2, 2)), None, None, None)
+  assert calls[0]["implementation"] == "triton" and calls[0]["config"] is config
+
+
+# ---- the table's arithmetic -----------------------------------------------------------------------------------------
+
 def test_roofline_and_speedup_arithmetic():
+  from jaxfp8.tools import bench_quant
   m, n, k = 4096, 24576, 7168
   flops = 2 * m * n * k
+  kw = dict(peak_tflops=1979.0, copy_bandwidth=4.3e12, block_size=(128, 128), quant_bytes=bench_quant.quant_bytes)
   fast = dict(op="gemm", shape="s", m=m, n=n, k=k, implementation="mosaic", role="ours", us=1000.0)
   base = dict(fast, implementation="dequant_bf16", role="baseline", us=2000.0)
-  wrong = dict(fast, implementation="torch_scaled_mm", role="baseline", us=10.0, within_bf16_bound=False)
+  wrong = dict(fast, implementation="torch_scaled_mm", role="baseline", us=10.0, within_bound=False)
   rows = [fast, base, wrong]
   for r in rows:
-    bench.add_roofline(r, peak_tflops=1979.0, copy_bandwidth=4.3e12, block_size=(128, 128))
-  assert fast["bound"] == "compute" and fast["flops"] == flops
+    bench_report.add_roofline(r, **kw)
+  assert fast["bound_by"] == "compute" and fast["flops"] == flops
   assert fast["tflops"] == pytest.approx(flops / 1e-3 / 1e12)
   assert fast["pct_roofline"] == pytest.approx(100 * flops / 1979e12 / 1e-3)
   gemm_bytes = m * k + m * (k // 128) * 4 + n * k + (n // 128) * (k // 128) * 4 + m * n * 2
   assert fast["bytes"] == gemm_bytes
-  bench.add_baseline_ratios(rows)  # a baseline outside the bf16 bound is not a baseline to beat
+  bench_report.add_baseline_ratios(rows)  # a baseline that failed its check is not a baseline to beat
   assert fast["speedup_vs_best_baseline"] == 2.0 and fast["best_baseline"] == "dequant_bf16"
-  decode = dict(fast, m=1, us=50.0)
-  bench.add_roofline(decode, peak_tflops=1979.0, copy_bandwidth=4.3e12, block_size=(128, 128))
-  assert decode["bound"] == "memory" and decode["roofline_us"] == pytest.approx(decode["bytes"] / 4.3e12 * 1e6)
+  assert bench_report.failed_checks(rows) == [wrong]
+  decode = dict(op="gemm", shape="s", m=1, n=n, k=k, implementation="mosaic", role="ours", us=50.0)
+  bench_report.add_roofline(decode, **kw)
+  assert decode["bound_by"] == "memory" and decode["roofline_us"] == pytest.approx(decode["bytes"] / 4.3e12 * 1e6)
   quant = dict(op="quant", shape="K=7168", m=64, n=None, k=7168, implementation="xla", role="baseline", us=4.0)
-  bench.add_roofline(quant, peak_tflops=None, copy_bandwidth=4.3e12, block_size=(128, 128))
-  assert "tflops" not in quant and quant["bound"] == "memory"
-  from jaxfp8.tools import bench_quant
+  bench_report.add_roofline(quant, **kw)
+  assert "tflops" not in quant and quant["bound_by"] == "memory"
   assert quant["bytes"] == bench_quant.quant_bytes(64, 7168, 128)
+  step = dict(op="moe", shape="tiny", m=8, n=128, k=256, implementation="sort", role="part", us=3.0)
+  bench_report.add_roofline(step, **kw)  # neither FLOPs nor bytes of its own: no roofline
+  assert "pct_roofline" not in step and "tflops" not in step
 
+
+# ---- plots -----------------------------------------------------------------------------------------------------------
 
 def test_plot_of_the_committed_quantizer_results(tmp_path):
   pytest.importorskip("matplotlib")
   from jaxfp8.tools import plot
-  result = json.loads((ROOT / "benchmarks" / "quant_h200.json").read_text())
+  result = json.loads((BENCHMARKS / "quant_h200.json").read_text())
   label, panels, sizes = plot.series(result)
   assert "GB/s" in label and plot.pick_shapes(panels, sizes) == ["K=7168", "K=18432"]
   assert set(panels["K=7168"]) == {"mosaic", "triton", "xla"}
-  out = plot.plot_file(str(ROOT / "benchmarks" / "quant_h200.json"), str(tmp_path / "q.png"))
+  out = plot.plot_file(str(BENCHMARKS / "quant_h200.json"), str(tmp_path / "q.png"))
   assert Path(out).stat().st_size > 10_000
   with pytest.raises(ValueError, match="not in the results"):
     plot.plot_result(result, ["K=1"])
 
 
-@pytest.mark.parametrize("name, label_part, shapes, lines", [
-    ("bench_h200.json", "gemm: TFLOP/s", ["deepseek_v3.q_proj_no_lora", "deepseek_v3.dense_down"],
+@pytest.mark.parametrize("name, ops, shapes, lines", [
+    ("gemm_h200.json", [("gemm", "gemm: TFLOP/s")], ["deepseek_v3.q_proj_no_lora", "deepseek_v3.dense_down"],
      {"mosaic", "triton", "xla", "dequant_bf16", "torch_scaled_mm", "fp8_per_tensor"}),
-    ("tp_h200.json", "speedup over 1 GPU", ["deepseek_v3.q_proj_no_lora", "deepseek_v3.dense_down"],
+    ("linear_h200.json", [("gemm", "gemm: TFLOP/s"), ("linear", "linear: TFLOP/s")],
+     ["deepseek_v3.q_proj_no_lora", "deepseek_v3.dense_down"],
+     {"mosaic", "triton", "xla", "dequant_bf16", "torch_scaled_mm", "fp8_per_tensor"}),
+    ("tp_h200.json", [(None, "speedup over 1 GPU")], ["deepseek_v3.q_proj_no_lora", "deepseek_v3.dense_down"],
      {"column", "column_gather"}),
 ])
-def test_plot_of_the_committed_gemm_and_tp_results(tmp_path, name, label_part, shapes, lines):
+def test_plot_of_the_committed_gemm_linear_and_tp_results(tmp_path, name, ops, shapes, lines):
   pytest.importorskip("matplotlib")
   from jaxfp8.tools import plot
-  path = ROOT / "benchmarks" / name
-  label, panels, sizes = plot.series(json.loads(path.read_text()))
-  assert label_part in label and plot.pick_shapes(panels, sizes) == shapes
-  assert set(panels[shapes[0]]) == lines
+  path = BENCHMARKS / name
+  result = json.loads(path.read_text())
+  assert plot.ops_in(result) == [op for op, _ in ops]  # one row of panels per op
+  for op, label_part in ops:
+    label, panels, sizes = plot.series(result, op)
+    assert label_part in label and plot.pick_shapes(panels, sizes) == shapes
+  assert set(plot.series(result, ops[0][0])[1][shapes[0]]) == lines
+  fig = plot.plot_result(result, source=str(path))
+  assert len([ax for ax in fig.axes if ax.get_visible()]) == 2 * len(ops)
   assert Path(plot.plot_file(str(path), str(tmp_path / "p.png"))).stat().st_size > 10_000
+
+
+def test_plot_of_every_op_of_a_cpu_run(tmp_path, rng):
+  pytest.importorskip("matplotlib")
+  from jaxfp8.tools import plot
+  result = _bench(tmp_path, rng, "--ops=quant,grouped,moe,valid_rows", "--k=256", "--m=2", "--expert_shapes=4,256,256",
+                  "--routed_rows=16", "--moe_layers=tiny", "--tokens=3", "--valid_rows_cases=256x256:64:9")
+  assert plot.ops_in(result) == ["quant", "grouped", "moe", "valid_rows"]
+  label, panels, _ = plot.series(result, "moe")
+  assert label == "moe: us" and set(panels["tiny"]) == {"layer", "steps_summed", "ragged_dot_bf16"}  # no steps
+  fig = plot.plot_result(result, ops=["moe", "grouped"])
+  assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["tiny", "E4.256x256/balanced"]
+  with pytest.raises(ValueError, match=r"ops \['gemm'\] are not in the results"):
+    plot.plot_result(result, ops=["gemm"])
 
 
 def test_plots_keep_one_colour_per_implementation_and_name_their_file(tmp_path):
@@ -146,8 +361,8 @@ def test_plots_keep_one_colour_per_implementation_and_name_their_file(tmp_path):
   matplotlib.use("Agg")
   from jaxfp8.tools import plot
   colours = {}
-  for name in ("bench_h200.json", "quant_h200.json", "bench_gemm_s11_h200.json"):
-    path = ROOT / "benchmarks" / name
+  for name in ("linear_h200.json", "quant_h200.json", "gemm_decode_h200.json"):
+    path = BENCHMARKS / name
     fig = plot.plot_result(json.loads(path.read_text()), source=str(path))
     assert any(str(path) in text.get_text() for text in fig.texts), [t.get_text() for t in fig.texts]
     for ax in fig.axes:
@@ -158,12 +373,46 @@ def test_plots_keep_one_colour_per_implementation_and_name_their_file(tmp_path):
         assert colours.setdefault(line.get_label(), colour) == colour, line.get_label()
   assert colours["mosaic"] == plot.COLORS["mosaic"] and colours["xla"] == plot.COLORS["xla"]
   assert len(set(plot.COLORS.values())) == len(plot.COLORS)  # no two names share a colour
+  every_name = {name for roles in bench.ROLES.values() for name in roles if name != "steps"}
+  assert every_name <= set(plot.COLORS), every_name - set(plot.COLORS)
   assert plot.color("some_new_baseline") == plot.color("some_new_baseline")
 
 
+# ---- the benchmarks/ folder ------------------------------------------------------------------------------------------
+
+# A round or session ("s11", "round2", "session 3"), a date, or an event of the project's history in a file's name.
+_HISTORY_NAME = re.compile(r"(^|[_.-])(s\d+|round\d*|session\d*|call\d+|\d{4}-\d\d-\d\d|\d{8}|before|after|"
+                           r"restructure|old|new|tmp|wip)([_.-]|$)")
+
+
+def test_benchmarks_folder_is_an_index_of_current_results():
+  entries = sorted(p.name for p in BENCHMARKS.iterdir())
+  assert len(entries) <= 40, f"{len(entries)} entries in benchmarks/: {entries}"
+  named_by_history = [name for name in entries if _HISTORY_NAME.search(name)]
+  assert not named_by_history, f"name results by op and device, not by round or date: {named_by_history}"
+  readme = (BENCHMARKS / "README.md").read_text()
+  links = re.findall(r"\]\(([^)#\s]+)\)", readme)
+  assert len(links) > 20
+  missing = sorted({link for link in links if not (BENCHMARKS / link).exists()})
+  assert not missing, f"benchmarks/README.md links files that do not exist: {missing}"
+  unlisted = [name for name in entries if name != "README.md" and f"({name})" not in readme]
+  assert not unlisted, f"files in benchmarks/ that the index does not link: {unlisted}"
+
+
+def test_every_plottable_result_has_its_plot():
+  """`make plots` redraws the PNG beside each JSON: every JSON of bench or tp has one."""
+  for path in sorted(BENCHMARKS.glob("*.json")):
+    rows = json.loads(path.read_text())["rows"]
+    plottable = rows and ("op" in rows[0] or "mode" in rows[0] or "contender" in rows[0] or "pct_copy_bw" in rows[0])
+    assert not plottable or path.with_suffix(".png").exists(), path.name
+  assert _HISTORY_NAME.search("bench_gemm_s11_h200.json") and not _HISTORY_NAME.search("gemm_decode_h200.json")
+
+
+# ---- the GPU code path, CUPTI faked ---------------------------------------------------------------------------------
+
 def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
   """The GPU code path (CUPTI timer, measured copy bandwidth, datasheet peak) with CUPTI faked, on CPU."""
-  from jaxfp8.tools import bench_quant, timing
+  from jaxfp8.tools import bench_quant
 
   def fake_cupti(fn, arg_sets, *, iterations=30, sync=None):
     (sync or (lambda out: out.block_until_ready() if hasattr(out, "block_until_ready") else out))(fn(*arg_sets[0]))
@@ -183,7 +432,7 @@ def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
   rows = {(r["op"], r["implementation"]): r for r in result["rows"]}
   assert set(rows) == {("gemm", "xla"), ("gemm", "dequant_bf16"), ("linear", "linear"), ("linear", "dequant_bf16"),
                        ("quant", "xla")}
-  assert all(r["us"] == 7.0 for r in rows.values())
+  assert all(r["us"] == 7.0 and r["within_bound"] for r in rows.values())
   assert rows[("gemm", "xla")]["speedup_vs_best_baseline"] == 1.0
   assert rows[("linear", "linear")]["kernels"] == ["quantize", "gemm"]
   assert not any("WARNING" in line for line in lines) and "wall us" not in "\n".join(lines)
@@ -207,6 +456,8 @@ def test_linear_bench_gemm_part_reads_the_plans_padded_buffers():
   np.testing.assert_allclose(out, whole, rtol=2e-2, atol=1e-2 * np.abs(whole).max())
 
 
+# ---- scripts/ab_gemm.py ----------------------------------------------------------------------------------------------
+
 def _run_ab_gemm(out, base_tree, implementation, shapes):
   command = [sys.executable, "scripts/ab_gemm.py", str(out), "--base_tree", str(base_tree), "--implementation",
              implementation, "--shapes", shapes, "--interpret", "--reps", "1", "--iterations", "1"]
@@ -220,11 +471,11 @@ def test_ab_gemm_runs_the_base_trees_kernel(tmp_path):
   # A base tree whose Triton kernel doubles its output: the A/B must run two different kernels in its one process
   # (not one cached trace twice) and say that their outputs differ, by exactly half of the base's norm.
   base = tmp_path / "base"
-  shutil.copytree(ROOT / "jaxfp8" / "kernels", base / "jaxfp8" / "kernels")
-  source = (ROOT / "jaxfp8" / "kernels" / "gemm_triton.py").read_text()
+  shutil.copytree(ROOT / "pallas_kernels", base / "pallas_kernels", ignore=shutil.ignore_patterns("__pycache__"))
+  source = (ROOT / "pallas_kernels" / "gemm_triton.py").read_text()
   doubled = source.replace("  out = acc.astype(o_ref.dtype)", "  out = (2 * acc).astype(o_ref.dtype)")
   assert doubled != source
-  (base / "jaxfp8" / "kernels" / "gemm_triton.py").write_text(doubled)
+  (base / "pallas_kernels" / "gemm_triton.py").write_text(doubled)
   [row] = _run_ab_gemm(tmp_path / "ab.json", base, "triton", "5,256,384")
   assert (row["m"], row["n"], row["k"]) == (5, 256, 384)
   assert not row["identical"] and row["rel_diff"] == pytest.approx(0.5, abs=1e-6)

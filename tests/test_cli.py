@@ -25,10 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 OWN_FLAGS = {
     "check": ({"--implementations", "--k", "--m", "--seed"}, {"--ops", "--max_configs", "--json", "--rerender"}),
     "bench": ({"--ops", "--shapes", "--models", "--m", "--k", "--implementations", "--iterations", "--peak_tflops",
-               "--time_budget_s", "--out", "--expert_shapes", "--routed_rows"}, {"--max_configs", "--json", "--panels", "--rerender", "--parallel"}),
+               "--time_budget_s", "--out", "--expert_shapes", "--routed_rows", "--routing", "--moe_layers", "--tokens",
+               "--valid_rows_cases", "--gemm_configs"}, {"--max_configs", "--json", "--panels", "--rerender",
+                                                          "--parallel"}),
     "tune": ({"--shapes", "--m", "--max_configs", "--iterations", "--out", "--block_size"},
              {"--ops", "--peak_tflops", "--json", "--rerender", "--implementations"}),
-    "plot": ({"--json", "--out", "--panels"}, {"--shapes", "--m", "--ops", "--max_configs", "--rerender"}),
+    "plot": ({"--json", "--out", "--panels", "--ops"}, {"--shapes", "--m", "--max_configs", "--rerender"}),
     "tp": ({"--shapes", "--models", "--m", "--devices", "--parallel", "--rerender", "--out", "--implementation"},
            {"--ops", "--max_configs", "--json", "--peak_tflops", "--shapes_json"}),
 }
@@ -144,13 +146,13 @@ def test_ms_errors_and_shapes_with_their_own_ms():
 def test_bench_takes_every_form_in_process(tmp_path, monkeypatch):
   """The command line feeds the parser's shapes and the quantizer's --k to bench.run (a fast fake run)."""
   seen = {}
-  monkeypatch.setattr(bench, "run", lambda *a, **kw: seen.update(args=a, **kw))
+  monkeypatch.setattr(bench, "run", lambda *a, **kw: seen.update(args=a, **kw) or dict(rows=[]))
   assert cli.main(["jaxfp8", "bench", "--shapes=1,256,512;4,256,512;qwen3_4b.o_proj", "--m=8", "--ops=gemm,quant",
                    "--k=2048,512", "--block_size=128,128"]) == 0
   ops, shape_list, ms, implementations, out = seen["args"]
   assert ops == ["gemm", "quant"] and ms == (8,) and implementations is None and out is None
   assert shape_list == [("256x512", 256, 512), ("qwen3_4b.o_proj", 2560, 4096)]
-  assert seen["ms_by_shape"] == {"256x512": [1, 4]} and seen["quant_ks"] == (2048, 512)
+  assert seen["problems"].ms_by_shape == {"256x512": [1, 4]} and seen["problems"].quant_ks == (2048, 512)
   assert seen["command"] == "python -m jaxfp8 bench '--shapes=1,256,512;4,256,512;qwen3_4b.o_proj' --m=8 " \
                             "--ops=gemm,quant --k=2048,512 --block_size=128,128"
 
@@ -164,18 +166,35 @@ def test_bench_quant_at_given_widths_on_cpu(tmp_path):
   assert result["quant_ks"] == [256, 512] and result["cpu_warning"] and "WALL-CLOCK" in result["timing"]
 
 
-def test_bench_grouped_gemm_on_cpu(tmp_path):
-  """The grouped GEMM's problems (expert shapes, routed rows, both routings): the contenders that run on CPU, each
-  checked against the reference (within the bf16 bound) before it is timed."""
-  out = tmp_path / "g.json"
-  assert cli.main(["jaxfp8", "bench", "--ops=grouped_gemm", "--expert_shapes=4,256,256", "--routed_rows=40",
-                   "--iterations=1", f"--out={out}"]) == 0
-  rows = json.loads(out.read_text())["rows"]
-  assert {(r["shape"], r["m"], r["implementation"]) for r in rows} == {
-      (f"E4.256x256/{routing}", 40, name) for routing in ("balanced", "skewed")
-      for name in ("xla", "ragged_dot_bf16", "dense_same_rows")}
-  assert all(r["within_bf16_bound"] and r["us"] > 0 and r["floor_us"] > 0 for r in rows), rows
-  assert {r["role"] for r in rows} == {"ours", "baseline", "reference"}
+def test_the_main_job_checks_every_op_against_the_reference():
+  """`python -m jaxfp8` (`make run`): the quantizer, the linear on shapes.json weights and a small MoE layer of each
+  family, each checked against the float64 reference, in one table; exit 0; what CPU leaves out is said."""
+  proc = _cli(timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  table = proc.stdout.split("\nop ", 1)[1]
+  rows = [line.split() for line in table.splitlines()[2:] if line.startswith(("quant ", "linear ", "moe "))]
+  assert {row[0] for row in rows} == {"quant", "linear", "moe"} and len(rows) == 8
+  assert all(" ok " in f" {' '.join(row)} " and "FAILED" not in row for row in rows), table
+  assert "deepseek_v3.q_a_proj 1536x7168, M=5" in table and "qwen3_4b.qkv_proj" in table
+  assert "deepseek_v3 router" in table and "qwen3 router" in table
+  assert "no NVIDIA GPU" in table  # why the planner chose XLA here
+  assert "not checked: quant mosaic: runs in interpret mode on CPU" in proc.stdout
+  assert "8 checks in" in proc.stdout and "every output within the contract's bound" in proc.stdout
+
+
+def test_a_failed_check_exits_1(monkeypatch, capsys):
+  from jaxfp8.tools import check
+  real = check.linear_case
+
+  def wrong(layer, m):
+    case = real(layer, m)
+    return check.Case(case.op, case.shape, lambda impl, rng: check.Outcome("xla", "xla", "-", "rel err 1", False, 1.0))
+  monkeypatch.setattr(check, "LINEAR_CASES", check.LINEAR_CASES[:1])
+  monkeypatch.setattr(check, "MOE_CASES", ())
+  monkeypatch.setattr(check, "linear_case", wrong)
+  assert cli.main(["jaxfp8", "check", "--m=2", "--k=256"]) == 1
+  out = capsys.readouterr().out
+  assert "FAILED" in out and "1 FAILED" in out
 
 
 # ---- errors: one line on stderr, a non-zero exit status, no traceback ------------------------------------------------
@@ -196,9 +215,16 @@ def _one_line_error(proc: subprocess.CompletedProcess, status: int, *parts: str)
     (["bench", "--shapes=1,256,512;a,b"], 2, ["python -m jaxfp8 bench: --shapes: 'a,b'"]),
     (["bench", "--m=1,x"], 2, ["--m: 'x' is not a positive integer"]),
     (["bench", "--nosuchflag=1"], 2, ["Unknown command line flag 'nosuchflag'"]),
-    (["bench", "--ops=grouped_gemm", "--expert_shapes=dsv3.gate_up"], 2,
+    (["bench", "--ops=grouped", "--expert_shapes=dsv3.gate_up"], 2,
      ["--expert_shapes: 'dsv3.gate_up' is neither E,N,K nor one of dsv3_ep8.gate_up"]),
-    (["bench", "--ops=gemm", "--routed_rows=8"], 2, ["--routed_rows: the grouped GEMM's problems, but --ops has no"]),
+    (["bench", "--ops=gemm", "--routed_rows=8"], 2,
+     ["--routed_rows: a flag of the grouped op, but --ops has no grouped"]),
+    (["bench", "--ops=grouped_gemm"], 2, ["--ops: expected some of quant, gemm, linear, linear_grad, grouped, moe"]),
+    (["bench", "--ops=moe", "--moe_layers=nope"], 2, ["--moe_layers: unknown ['nope']"]),
+    (["bench", "--ops=grouped", "--routing=zipf"], 2, ["--routing: expected some of balanced, skewed"]),
+    (["bench", "--ops=valid_rows", "--valid_rows_cases=256x256:8"], 2, ["is not weight:bucket:live"]),
+    (["bench", "--gemm_configs=mosaic:tile_m=100"], 2, ["--gemm_configs: 'mosaic:tile_m=100'"]),
+    (["bench", "--gemm_configs=mosaic:tile_n=256"], 1, ["mosaic[tile_n=256] needs a Hopper GPU"]),
     (["tp", "--shapes=256,256", "--m=1", "--out=/tmp/never_written.json"], 1,
      ["python -m jaxfp8 tp: tensor parallelism needs 2 or more devices"]),
     (["nosuchcommand"], 2, ["python -m jaxfp8: unknown command 'nosuchcommand'"]),

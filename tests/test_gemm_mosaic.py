@@ -447,7 +447,7 @@ def test_config_kinds_lower_for_cuda(kind):
 
 
 # The per-column widths at the shapes they balance (decode: N / width = 128 tiles; M=256-512: 128-row tiles split in M
-# between the two consumer warpgroups, the candidates of scripts/bench_gemm_mosaic.py --only cols), in both output
+# between the two consumer warpgroups, the candidates the H200 sweep of per-column widths timed), in both output
 # dtypes, at the pipeline depths a GPU run would use.
 @pytest.mark.parametrize("config,m,n,k", [
     (COLUMN_KINDS["ws1_64x80_k2"][0], 64, 10240, 5120),

@@ -791,30 +791,3 @@ def test_bench_linear_plumbing(monkeypatch, tmp_path):
   assert "meets_decode_target" not in rows[(70, "linear_vs_gemm")]
   assert json.loads(out.read_text())["rows"] and (tmp_path / "linear.md").read_text().count("| small |") == 2
   assert len(bench_linear.default_shapes()) == 15
-
-
-def test_bench_valid_rows_plumbing(monkeypatch):
-  """scripts/bench_valid_rows.py on CPU with a stand-in timer: each contender runs, the live rows are checked and
-  the dead rows must be 0."""
-  import importlib.util
-  import pathlib
-  from jaxfp8.tools import timing
-  path = pathlib.Path(__file__).parents[1] / "scripts" / "bench_valid_rows.py"
-  spec = importlib.util.spec_from_file_location("bench_valid_rows", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  calls = []
-
-  def fake_median(fn, arg_sets, *, iterations=30):
-    calls.append(jax.block_until_ready(fn(*arg_sets[0])).shape)
-    return 3.0
-
-  monkeypatch.setattr(timing, "median_kernel_us", fake_median)
-  try:
-    rows = bench.measure("tiny", 256, 256, [(256, 70)], 1, log=lambda *_: None)
-  finally:
-    for name in ("shapes", "cases", "iterations"):  # the script's absl flags, as a second import would define them
-      delattr(bench.FLAGS, name)
-  assert calls == [(256, 256), (256, 256), (128, 256)]
-  assert rows[0]["valid_vs_exact"] == 1.0 and rows[0]["rel_err"] < 0.05
-  assert "| tiny | 256 | 70 |" in bench.markdown_table(dict(command="c", device="cpu", jax_version="0", rows=rows))

@@ -56,7 +56,7 @@ def _row_fill(m: int, tile_m: int) -> float:
 
 
 # Speed per unit of work of each prefill schedule relative to 128x256 tiles on two consumer warpgroups, at equal SM
-# occupancy (H200, CUPTI; the sweeps in benchmarks/archive/, listed in benchmarks/README.md):
+# occupancy (H200, CUPTI; the sweeps listed in benchmarks/README.md, their files in git history):
 # 192x128, 3 consumer WGs, CTA pairs sharing A: 1067 vs 1131 us at equal occupancy (M=4096 N=24576 K=7168), i.e.
 # 1.06; taken as 1.09 because its partly empty last waves cost less than whole ones (M=4096 N=7168 K=18432, which
 # the 1.06 rates level with 128x256: 824.5 vs 846.7 us).
@@ -66,7 +66,7 @@ _SPEED_128X128_K2 = 1 / 1.03  # 128x128, 2 K blocks per step (1.5% slower per FL
 # (112 wide tiles; a second run: 111.0 vs 124.9), though both fill 85% of the slots. One 128x256 tile per
 # CTA leaves nothing to overlap, and each of its warpgroups waits for one wgmma before promoting it, where two K
 # blocks per step keep a second wgmma running through the promotion. Every choice this moved on 132 SMs over the
-# shapes.json weights was timed after (benchmarks/archive/mosaic_sweep_h200_one_wave.*): 1-12% faster at all ten.
+# shapes.json weights was timed after (benchmarks/README.md, the one-wave sweep): 1-12% faster at all ten.
 _SPEED_128X128_K2_ONE_WAVE = 1.1
 _SPEED_128X128 = 0.935  # 128x128, 1 K block per step (1174 vs 1256 TFLOP/s at M=4096 N=24576 K=7168)
 _SPEED_64X128 = 0.8 * _SPEED_128X128  # 64x128 split in N (an estimate no sweep has contradicted)
@@ -128,7 +128,7 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
 
 def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: int) -> MosaicGemmConfig:
   """The schedule for a_q of m rows (padding rows count: they cost what real ones do, unlike TMA's zero fill of rows
-  past a_q), from the H200 sweeps of scripts/bench_gemm_mosaic.py (benchmarks/README.md)."""
+  past a_q), from the H200 sweeps of the Mosaic GEMM's configs (benchmarks/README.md)."""
   _K = _kernel()
   epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
   if m <= WGMMA_M:

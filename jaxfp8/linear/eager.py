@@ -6,10 +6,10 @@ every program for fixed shapes, so on a GPU they are two small XLA copies, each 
 shape (none when M is a bucket and x is 2-D). On one CPU device the host's memory is the device's, so the first
 call of a row count pads and slices on the host and compiles nothing; its glue is compiled from its second call on,
 since a host copy and `device_put` cost about 100 us where a compiled pad or slice dispatches in about 10. NumPy
-inputs are always padded on the host. `scripts/eager_row_counts.py` on a 2-CPU machine (JAX 0.12.0.1, 512x256
-weight, M = 1..300 once each into warm buckets): 582 compilations -> 0, median first call of a new M 70-79 ms ->
-1.3-1.7 ms; a repeated call of M=5 517 -> 366 us and of M=8 471 -> 356 us (plans are cached too), where a jitted
-call takes 210-270 us.
+inputs are always padded on the host. `scripts/eager_row_counts.py` (commit d804edd) on a 2-CPU machine (JAX
+0.12.0.1, 512x256 weight, M = 1..300 once each into warm buckets): 582 compilations -> 0, median first call of a new
+M 70-79 ms -> 1.3-1.7 ms; a repeated call of M=5 517 -> 366 us and of M=8 471 -> 356 us (plans are cached too),
+where a jitted call takes 210-270 us.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def _next_power_of_2(n: int) -> int:
 
 def default_config_for(problem, device: _platform.Device):
   """A 4-row by 512-column tile per program: many small programs in flight for the memory system (4-row tiles beat
-  16- and 32-row ones at every M on the H200, scripts/sweep_quant_triton.py)."""
+  16- and 32-row ones at every M on the H200: git show d804edd:scripts/sweep_quant_triton.py)."""
   del device
   groups_per_block = max(1, 512 // _next_power_of_2(problem.group_size))
   groups_per_block = min(groups_per_block, _next_power_of_2(problem.groups))

@@ -11,6 +11,9 @@ Contenders (names for `implementations`):
                    block scales. It computes a coarser quantization, so its output is not checked.
   "torch_scaled_mm": torch._scaled_mm with 1x128 activation / 128x128 weight blockwise scales (cuBLASLt), when torch
                    imports; needs M % 4 == 0 and block (128, 128).
+  "mosaic[field=value,...]", "triton[...]": an explicit kernel config (`--gemm_configs`, `config_contender`), timed
+                   beside the planner's own choice: how a developer tries a schedule. Fields are the config class's
+                   (pallas_kernels.gemm_mosaic_common.MosaicGemmConfig, TritonGemmConfig); M and N name a Dim.
 
 Every contender's output is first checked against the float64 reference (jaxfp8.reference.block_fp8_matmul) on a sample
 of rows and whole column blocks; the row reports the relative error and whether it is within the bf16 bound of
@@ -22,9 +25,10 @@ For M <= 64 the row also reports the ratio to the weight-streaming floor, weight
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +39,9 @@ from jaxfp8.tools import results as results_io, baselines, timing
 from jaxfp8 import reference as ref
 
 CONTENDERS = ("triton", "mosaic", "xla", "dequant_bf16", "fp8_per_tensor", "torch_scaled_mm")
+ROLES = {"mosaic": "ours", "triton": "ours", "xla": "ours", "dequant_bf16": "baseline", "torch_scaled_mm": "baseline",
+         "fp8_per_tensor": "ceiling"}
+CONFIG_IMPLEMENTATIONS = ("mosaic", "triton")
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy bandwidth of the H200 (benchmarks/README.md)
 L2_BYTES = 60 << 20
 # (name, N, K): DeepSeek-V3 and Qwen3-32B weights from shapes.json.
@@ -114,11 +121,51 @@ def sample_reference(a_q, b_q, a_s_col, b_s, block_size, rows: np.ndarray, col_b
 
 # ---- contenders --------------------------------------------------------------------------------------------------
 
-def jax_contender(name: str, block_size: tuple[int, int], out_rows: int | None = None) -> Callable:
-  """The jitted JAX contender `name` as the benchmark times it: f(a_q, b_q, a_s_col, b_s) -> (M, N) bf16."""
-  if name in ("triton", "mosaic", "xla"):
+def config_contender(text: str) -> tuple[str, object]:
+  """'mosaic:tile_m=128,tile_n=256,wg_split=N' (an item of --gemm_configs) -> ('mosaic[tile_m=128,...]', the config):
+  the contender's name and its kernel config, built (and so checked) by the config class. ValueError names what is
+  wrong."""
+  implementation, _, fields = (part.strip() for part in text.partition(":"))
+  if implementation not in CONFIG_IMPLEMENTATIONS:
+    raise ValueError(f"{text!r}: starts with one of {', '.join(CONFIG_IMPLEMENTATIONS)} and ':'")
+  backend = gemm.planner.BACKENDS[implementation]
+  cls = backend.config_class()
+  known = {f.name for f in dataclasses.fields(cls)}
+  kwargs, given = {}, []
+  for item in (f.strip() for f in fields.split(",") if f.strip()):
+    name, equals, value = (part.strip() for part in item.partition("="))
+    if not equals or name not in known:
+      raise ValueError(f"{text!r}: {item!r} is not field=value with a field of {cls.__name__} "
+                       f"({', '.join(sorted(known))})")
+    kwargs[name] = _config_value(value, cls)
+    given.append(f"{name}={value}")
+  try:
+    config = cls(**kwargs)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{text!r}: {e}") from None
+  return f"{implementation}[{','.join(given)}]", config
+
+
+def _config_value(text: str, cls):
+  """A config field's value: an integer, true/false, none, or (Mosaic) a Dim name, M or N."""
+  if text.lstrip("-").isdigit():
+    return int(text)
+  if text.lower() in ("true", "false", "none"):
+    return {"true": True, "false": False, "none": None}[text.lower()]
+  dim = getattr(__import__(cls.__module__, fromlist=["Dim"]), "Dim", None)
+  if dim is not None and text.upper() in dim.__members__:
+    return dim[text.upper()]
+  raise ValueError(f"{text!r} is not an integer, true, false, none or a Dim (M, N)")
+
+
+def jax_contender(name: str, block_size: tuple[int, int], out_rows: int | None = None, config=None) -> Callable:
+  """The jitted JAX contender `name` as the benchmark times it: f(a_q, b_q, a_s_col, b_s) -> (M, N) bf16; a config
+  contender ('mosaic[tile_n=256]', `config_contender`) runs its implementation with `config`."""
+  implementation = name.split("[")[0]
+  if implementation in ("triton", "mosaic", "xla"):
     f = functools.partial(gemm.w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True,
-                          out_dtype=jnp.bfloat16, implementation=name, interpret=False, out_rows=out_rows)
+                          out_dtype=jnp.bfloat16, implementation=implementation, config=config, interpret=False,
+                          out_rows=out_rows)
     return jax.jit(lambda a_q, b_q, a_s, b_s: f(a_q, b_q, a_s, b_s))
   if name == "dequant_bf16":
     return jax.jit(lambda a_q, b_q, a_s, b_s: baselines.dequant_bf16_matmul_baseline(
@@ -181,9 +228,11 @@ def run(
     log=print,
     timer: Callable[..., float] | None = None,
     timing_label: str | None = None,
+    configs: Mapping[str, object] | None = None,
 ) -> dict:
   """Times every contender on every (shape, M); checks each output on a sample first. Returns (and writes) the
-  results."""
+  results. `configs`: the kernel config of each config contender (`config_contender`) among `implementations`."""
+  configs = dict(configs or {})
   block_size = tuple(block_size)
   timer = timer or timing.median_kernel_us
   seed = int(np.random.SeedSequence().entropy % (2**31)) if seed is None else seed
@@ -194,7 +243,8 @@ def run(
       torch_mm = _TorchScaledMM()
     except ImportError:
       log("torch is not importable: torch_scaled_mm skipped")
-  jax_fns = {name: jax_contender(name, block_size) for name in implementations if name != "torch_scaled_mm"}
+  jax_fns = {name: jax_contender(name, block_size, config=configs.get(name)) for name in implementations
+             if name != "torch_scaled_mm"}
   rows_out = []
   log(f"{'shape':<26} {'M':>5} {'N':>6} {'K':>6} {'contender':<16} {'us':>10} {'TFLOP/s':>8} {'x floor':>8} "
       f"{'rel err':>9}")
@@ -218,7 +268,7 @@ def run(
             _run_torch(torch_mm, arg_sets, m, block_size, expected, sample_rows, cols, iterations, record, timer)
         else:
           _time_jax(name, jax_fns[name], arg_sets, block_size, (expected, sample_rows, cols), iterations, record,
-                    timer)
+                    timer, configs.get(name))
       del arg_sets, acts
     del weights
   result = dict(
@@ -254,13 +304,13 @@ def _recorder(base: dict, rows_out: list[dict], log) -> Callable[..., None]:
 
 
 def _time_jax(name: str, fn: Callable, arg_sets: list[tuple], block_size, sample, iterations: int, record,
-              timer) -> None:
+              timer, config=None) -> None:
   """Checks the JAX contender `name` on the sample (expected, rows, cols), times it, records its row."""
   expected, sample_rows, cols = sample
   m = arg_sets[0][0].shape[0]
   note = None
-  if name == "mosaic" and m < gemm.mosaic.DECODE_ROWS:
-    fn = jax_contender(name, block_size, out_rows=m)
+  if name.split("[")[0] == "mosaic" and m < gemm.mosaic.DECODE_ROWS:
+    fn = jax_contender(name, block_size, out_rows=m, config=config)
     arg_sets = [decode_tile_buffers(*arg_set) for arg_set in arg_sets]
     note = f"the quantizer's {gemm.mosaic.DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
   try:
@@ -320,7 +370,8 @@ def format_row(row: dict) -> str:
 
 def markdown_table(result: dict) -> str:
   """One line per (shape, M), one column per contender: us (TFLOP/s, or x weight floor for M <= 64)."""
-  contenders = [c for c in CONTENDERS if any(r["contender"] == c for r in result["rows"])]
+  seen = dict.fromkeys(r["contender"] for r in result["rows"])
+  contenders = [c for c in CONTENDERS if c in seen] + [c for c in seen if c not in CONTENDERS]
   lines = [f"Block FP8 GEMM, {result['device']}, jax {result['jax_version']}, {result['date'][:10]}; "
            f"{result['timing']}; bf16 output. Cells: us (TFLOP/s; for M <= 64: x of the weight-streaming floor "
            f"{result['weight_floor']}).", "",

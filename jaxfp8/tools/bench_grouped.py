@@ -1,10 +1,9 @@
-"""Benchmark of the grouped (MoE expert) GEMM, all contenders in one process: `python -m jaxfp8 bench
---ops=grouped_gemm`.
+"""Benchmark of the grouped (MoE expert) GEMM, all contenders in one process: `python -m jaxfp8 bench --ops=grouped`.
 
 Each problem is E expert weights (N, K) in the block-FP8 layout and R routed rows (tokens x top-k) spread over the
-experts, balanced (random top-k routing: a multinomial draw) or skewed (one expert with half the rows, every third
-expert empty). Contenders (names for --implementations):
-  "mosaic", "xla":        ours, `ragged_w8a8_block_fp8_matmul` with that implementation.
+experts: balanced (random top-k routing: a multinomial draw; the default) or skewed (one expert with half the rows,
+every third expert empty; `--routing`). Contenders (names for --implementations), ragged and masked layouts:
+  "mosaic", "xla":        ours, `ragged_w8a8_block_fp8_matmul` with that implementation (ragged layout).
   "masked_mosaic":        ours, `masked_w8a8_block_fp8_matmul` on the same rows laid out per expert (T = the largest
                           expert's rows rounded up to 64), at R <= MASKED_MAX_ROWS (decode).
   "ragged_dot_bf16":      BASELINE, `jax.lax.ragged_dot` on bf16 activations and bf16 weights (E, K, N).
@@ -14,7 +13,8 @@ expert empty). Contenders (names for --implementations):
                           costs.
 Every output is checked against the float64 reference on sampled rows of every expert that has rows (bf16 bound of
 docs/CONTRACT.md §2) before it is timed; rows no expert owns must be 0. The floor of a problem is
-max(FP8 bytes of the experts that have rows / 4.3 TB/s, 2 R N K / 1979 TFLOP/s).
+max(2 R N K / 1979 TFLOP/s, (FP8 weights and scales of the experts that have rows + the rows' codes and scales in
++ the bf16 output) / 4.3 TB/s); x_floor = time / floor.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxfp8 import gemm, grouped
 from jaxfp8 import reference as ref
-from jaxfp8.tools import bench_gemm, timing
+from jaxfp8.tools import bench_gemm, bench_report, timing
 
 CONTENDERS = ("mosaic", "xla", "masked_mosaic", "ragged_dot_bf16", "pallas_ragged_bf16", "dense_same_rows")
 ROLES = {"mosaic": "ours", "xla": "ours", "masked_mosaic": "ours", "ragged_dot_bf16": "baseline",
@@ -39,20 +39,31 @@ HBM_BYTES_PER_S = bench_gemm.HBM_BYTES_PER_S
 FP8_DENSE_TFLOPS = 1979.0
 BF16_BOUND = bench_gemm.BF16_BOUND
 MASKED_MAX_ROWS = 1024
-# (name, E, N, K) and the routed rows R of each: the expert GEMMs of shapes.json's moe_experts (DeepSeek-V3 with its
-# 256 experts split over 8 GPUs, Qwen3-30B-A3B).
+# (name, E, N, K): the expert GEMMs of DeepSeek-V3 with its 256 experts split over 8 GPUs, Qwen3-30B-A3B (128
+# experts on one) and Qwen3-235B-A22B under EP8 (16 local of 128 experts).
 DEFAULT_SHAPES: tuple[tuple[str, int, int, int], ...] = (
     ("dsv3_ep8.gate_up", 32, 4096, 7168),
     ("dsv3_ep8.down", 32, 7168, 2048),
     ("qwen3_30b_a3b.gate_up", 128, 1536, 2048),
     ("qwen3_30b_a3b.down", 128, 2048, 768),
+    ("qwen3_235b_a22b_ep8.gate_up", 16, 3072, 4096),
 )
-DEFAULT_ROWS = {"dsv3_ep8.gate_up": (256, 4096, 16384), "dsv3_ep8.down": (256, 4096, 16384),
-                "qwen3_30b_a3b.gate_up": (512, 32768), "qwen3_30b_a3b.down": (512, 32768)}
+_EP8_ROWS = (8, 64, 256, 4096, 16384)
+DEFAULT_ROWS = {"dsv3_ep8.gate_up": _EP8_ROWS, "dsv3_ep8.down": _EP8_ROWS,
+                "qwen3_30b_a3b.gate_up": (8, 64, 512, 8192, 32768), "qwen3_30b_a3b.down": (8, 64, 512, 8192, 32768),
+                "qwen3_235b_a22b_ep8.gate_up": _EP8_ROWS}
 CPU_SHAPES = (("tiny.8x256x512", 8, 256, 512),)
 CPU_ROWS = (16, 128)
 # JAX's Pallas ragged dot: (block_m, block_n, block_k, max_concurrent_steps, grid_block_n).
 PALLAS_CONFIGS = tuple(itertools.product((64, 128), (128, 256), (64,), (4,), (1, 8)))
+
+
+def floor_us(e_active: int, r: int, n: int, k: int, block_size=(128, 128)) -> tuple[float, int]:
+  """(floor in us, its bytes): the math at the FP8 dense peak or the bytes at the copy bandwidth, the longer."""
+  gn, gk = block_size
+  groups = -(-k // gk)
+  num_bytes = e_active * (n * k + -(-n // gn) * groups * 4) + r * (k + groups * 4) + r * n * 2
+  return max(num_bytes / HBM_BYTES_PER_S, 2 * r * n * k / (FP8_DENSE_TFLOPS * 1e12)) * 1e6, num_bytes
 
 
 def group_sizes(rng: np.random.Generator, rows: int, experts: int, routing: str) -> np.ndarray:
@@ -169,11 +180,9 @@ def _masked_error(out, sizes, sample, expected, cols) -> float:
 
 
 def run(shapes: Sequence[tuple[str, int, int, int]], rows_by_shape: dict[str, Sequence[int]],
-        implementations: Sequence[str], *, routings: Sequence[str] = ROUTINGS, block_size=(128, 128),
-        iterations: int = 30, seed: int = 0, timer: Callable[..., float] | None = None, timing_label=None,
-        log=print) -> dict:
+        implementations: Sequence[str], *, routings: Sequence[str] = ("balanced",), block_size=(128, 128),
+        iterations: int = 30, seed: int = 0, timer: Callable[..., float] | None = None, log=print) -> list[dict]:
   """Times every contender on every (shape, R, routing); checks each output on a sample first. Returns raw rows."""
-  del timing_label
   block_size = tuple(block_size)
   timer = timer or timing.median_kernel_us
   rng = np.random.default_rng(seed)
@@ -183,72 +192,71 @@ def run(shapes: Sequence[tuple[str, int, int, int]], rows_by_shape: dict[str, Se
   for name, e, n, k in shapes:
     for r in rows_by_shape[name]:
       key, sub = jax.random.split(key)
-      a_q, b_q, a_s, b_s = make_problem(sub, e, n, k, r, block_size)
-      bf16 = None
+      operands = make_problem(sub, e, n, k, r, block_size)
+      bf16 = []  # the bf16 baselines' operands, made once per problem when one of them runs
       for routing in routings:
         sizes = group_sizes(rng, r, e, routing)
         active = int((sizes > 0).sum())
-        floor_us = max(active * n * k / HBM_BYTES_PER_S, 2 * r * n * k / (FP8_DENSE_TFLOPS * 1e12)) * 1e6
+        floor, num_bytes = floor_us(active, r, n, k, block_size)
         sample = _sample(sizes, rng)
-        expected, cols = reference_rows(a_q, b_q, a_s, b_s, sample, block_size)
-        sizes_dev = jnp.asarray(sizes, jnp.int32)
+        expected, cols = reference_rows(*operands, sample, block_size)
         base = dict(shape=f"{name}/{routing}", groups=e, m=r, n=n, k=k, routing=routing, active_experts=active,
-                    floor_us=floor_us, bytes=active * n * k + r * k + r * n * 2)
-
-        def record(contender_name, us=None, err=None, error=None, note=None):
-          row = dict(base, contender=contender_name)
-          if error is not None:
-            row["error"] = error
-          else:
-            row.update(us=us, x_floor=us / floor_us, tflops=2 * r * n * k / (us * 1e-6) / 1e12)
-            if err is not None:
-              row.update(rel_err=err, within_bf16_bound=bool(err <= BF16_BOUND))
-          if note:
-            row["note"] = note
+                    floor_us=floor, bytes=num_bytes, flops=2 * r * n * k)
+        for impl in implementations:
+          if impl == "masked_mosaic" and r > MASKED_MAX_ROWS:
+            continue
+          row = dict(base, contender=impl, layout="masked" if impl == "masked_mosaic" else "ragged")
+          try:
+            row.update(_measure(impl, fns.get(impl), operands, bf16, sizes, (sample, expected, cols), block_size,
+                                iterations, timer))
+            row.update(x_floor=row["us"] / floor)
+          except Exception as ex:  # a failing contender is reported, not fatal for the others
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
           rows_out.append(row)
           log(format_row(row))
+      del operands, bf16
+  return rows_out
 
-        for impl in implementations:
-          try:
-            if impl in ("mosaic", "xla"):
-              args, owned = (a_q, b_q, a_s, b_s, sizes_dev), r
-            elif impl == "masked_mosaic":
-              if r > MASKED_MAX_ROWS:
-                continue
-              t = -(-int(sizes.max()) // 64) * 64
-              codes, scales = masked_layout(a_q, a_s, sizes, t)
-              args = (codes, b_q, scales, b_s, sizes_dev)
-            elif impl == "dense_same_rows":
-              args = (a_q, b_q, a_s, b_s)
-            else:
-              if bf16 is None:
-                bf16 = dequantized_bf16(a_q, b_q, a_s, b_s, block_size)
-              args = (*bf16, sizes_dev)
-            if impl == "pallas_ragged_bf16":
-              us, config = _best_pallas(args, block_size, iterations, timer)
-              out = contender(impl, block_size, config)(*args)
-              record(impl, us=us, err=_error(out, sample, expected, cols, r), note=f"config {config}")
-              continue
-            out = fns[impl](*args)
-            note = None
-            if impl == "masked_mosaic":
-              err = _masked_error(out, sizes, sample, expected, cols)
-            elif impl == "dense_same_rows":
-              dense_sample = [(0, rows) for _, rows in sample]
-              dense_expected, _ = reference_rows(a_q, b_q, a_s, b_s, dense_sample, block_size)
-              err = _error(out, dense_sample, dense_expected, cols, r)
-              note = "every row against expert 0's weight"
-            else:
-              err = _error(out, sample, expected, cols, r)
-            record(impl, us=timer(fns[impl], [args], iterations=iterations), err=err, note=note)
-          except Exception as ex:  # a failing contender is reported, not fatal for the others
-            record(impl, error=f"{type(ex).__name__}: {str(ex)[:300]}")
-      del a_q, b_q, a_s, b_s, bf16
-  return dict(rows=rows_out)
+
+def _measure(impl: str, fn, operands, bf16: list, sizes: np.ndarray, check, block_size, iterations: int,
+             timer) -> dict:
+  """us, rel_err, within_bound (and a note) of one contender on one problem: its output checked, then timed."""
+  sample, expected, cols = check
+  a_q, b_q, a_s, b_s = operands
+  r = a_q.shape[0]
+  sizes_dev = jnp.asarray(sizes, jnp.int32)
+  note = None
+  if impl in ("mosaic", "xla"):
+    args = (*operands, sizes_dev)
+  elif impl == "masked_mosaic":
+    codes, scales = masked_layout(a_q, a_s, sizes, -(-int(sizes.max()) // 64) * 64)
+    args = (codes, b_q, scales, b_s, sizes_dev)
+  elif impl == "dense_same_rows":
+    args = operands
+  else:
+    if not bf16:
+      bf16.extend(dequantized_bf16(*operands, block_size))
+    args = (*bf16, sizes_dev)
+  if impl == "pallas_ragged_bf16":
+    config = _best_pallas(args, block_size, iterations, timer)
+    fn, note = contender(impl, block_size, config), f"config {config} (the fastest of PALLAS_CONFIGS)"
+  out = fn(*args)
+  if impl == "masked_mosaic":
+    err = _masked_error(out, sizes, sample, expected, cols)
+  elif impl == "dense_same_rows":
+    dense_sample = [(0, rows) for _, rows in sample]
+    dense_expected, _ = reference_rows(*operands, dense_sample, block_size)
+    err = _error(out, dense_sample, dense_expected, cols, r)
+    note = "every row against expert 0's weight"
+  else:
+    err = _error(out, sample, expected, cols, r)
+  row = dict(us=timer(fn, [args], iterations=iterations), rel_err=err, bound=BF16_BOUND,
+             within_bound=bool(err <= BF16_BOUND))
+  return row if note is None else dict(row, note=note)
 
 
 def _best_pallas(args, block_size, iterations, timer):
-  """(us, config): the fastest of PALLAS_CONFIGS that builds for these operands."""
+  """The fastest of PALLAS_CONFIGS that builds for these operands (each timed with a third of the iterations)."""
   best = None
   failures = []
   for config in PALLAS_CONFIGS:
@@ -261,14 +269,31 @@ def _best_pallas(args, block_size, iterations, timer):
       best = (us, config)
   if best is None:
     raise RuntimeError("no Pallas ragged-dot config ran: " + "; ".join(failures))
-  fn = contender("pallas_ragged_bf16", block_size, best[1])
-  return timer(fn, [args], iterations=iterations), best[1]
+  return best[1]
 
 
 def format_row(row: dict) -> str:
   head = f"{row['shape']:<34} {row['m']:>6} {row['n']:>6} {row['k']:>6} {row['contender']:<20}"
   if "error" in row:
     return f"{head} ERROR {row['error']}"
-  err = f"{row['rel_err']:9.2e}" if "rel_err" in row else f"{'n/a':>9}"
-  flag = "" if row.get("within_bf16_bound", True) else "  <-- above bf16 bound"
-  return f"{head} {row['us']:10.2f} {row['tflops']:8.1f} {row['x_floor']:7.2f}x {err}{flag}"
+  flag = "" if row["within_bound"] else "  <-- above bf16 bound"
+  tflops = row["flops"] / (row["us"] * 1e-6) / 1e12
+  return f"{head} {row['us']:10.2f} us {tflops:8.1f} TFLOP/s {row['x_floor']:7.2f}x floor {row['rel_err']:9.2e}{flag}"
+
+
+def summary_table(rows: list[dict]) -> str:
+  """One line per (expert shape, R): each contender's us (x the floor), the floor and the experts with rows."""
+  names = [c for c in CONTENDERS if any(r["implementation"] == c for r in rows)]
+  by_key: dict = {}
+  for r in rows:
+    by_key.setdefault((r["shape"], r["m"]), {})[r["implementation"]] = r
+  lines = ["Grouped GEMM: us (x the floor: max(FLOPs / 1979 TFLOP/s, bytes of the experts with rows and of the rows "
+           "/ 4.3 TB/s)); masked_mosaic: the masked layout, the others ragged.", "",
+           "| experts, N, K / routing | R | experts with rows | floor us | " + " | ".join(names) + " |",
+           "|---|---|---|---|" + "---|" * len(names)]
+  for (shape, m), cells in by_key.items():
+    any_row = next(iter(cells.values()))
+    lines.append(f"| {shape} (E={any_row['groups']}, N={any_row['n']}, K={any_row['k']}) | {m} | "
+                 f"{any_row['active_experts']} | {any_row['floor_us']:.2f} | " +
+                 " | ".join(bench_report.cell_us(cells.get(c), "x_floor") for c in names) + " |")
+  return "\n".join(lines) + "\n"

@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfp8 import gemm, linear, quant, shapes, weights
-from jaxfp8.tools import results as results_io, bench_gemm, baselines, timing
+from jaxfp8.tools import results as results_io, bench_gemm, bench_quant, baselines, timing
 from jaxfp8 import reference as ref
 
 CONTENDERS = ("linear", "gemm", "quant", "dequant_bf16", "w8a16_bf16")
+ROLES = {"linear": "ours", "gemm": "part", "quant": "part", "dequant_bf16": "baseline", "w8a16_bf16": "baseline"}
 DEFAULT_MODELS = ("deepseek_v3", "qwen3_32b")
 DEFAULT_MS = (1, 16, 64, 512, 4096)  # decode (weight streaming) and prefill (compute bound) row counts
 DECODE_M = 64
@@ -98,11 +99,15 @@ def _expectations(args0: tuple, plan: linear.LinearPlan, block_size, sample) -> 
 
 def _time_contender(name: str, fn: Callable, arg_sets: list[tuple], base: dict, expected: np.ndarray | None,
                     sample: tuple[np.ndarray, np.ndarray], *, iterations: int, timer, kernel_names: bool) -> dict:
-  """The row of one contender: checked on the sample (rows, cols) against `expected` (the quantizer is not), timed."""
+  """The row of one contender: checked on the sample (rows, cols) against `expected` (the quantizer's codes and
+  scales against the reference quantizer's), timed."""
   m, n, k = base["m"], base["n"], base["k"]
   row = dict(base, contender=name)
   try:
     out = jax.block_until_ready(fn(*arg_sets[0]))
+    if name == "quant":
+      row.update(bench_quant.check_codes(out, np.asarray(arg_sets[0][0]), base["block_size"][1],
+                                         column_major=base["scale_layout"] == "col"))
     if expected is not None:
       got = np.asarray(out).astype(np.float32)[np.ix_(*sample)]
       row["rel_err"] = ref.relative_error(got, expected)
@@ -125,7 +130,7 @@ def _time_contender(name: str, fn: Callable, arg_sets: list[tuple], base: dict, 
 
 def _linear_vs_gemm(base: dict, times: dict[str, float]) -> dict:
   """The summary row: what the linear adds to its GEMM, and (decode) whether that meets the target."""
-  summary = dict(base, contender="linear_vs_gemm", overhead_us=times["linear"] - times["gemm"],
+  summary = dict(base, contender="linear_vs_gemm", summary=True, overhead_us=times["linear"] - times["gemm"],
                  ratio=times["linear"] / times["gemm"])
   if base["m"] <= DECODE_M:
     summary["decode_target_us"] = 1.1 * times["gemm"] + 3.0
@@ -172,7 +177,8 @@ def run(
       expectations, cols = _expectations(arg_sets[0], plan, block_size, sample)
       base = dict(shape=shape_name, m=m, n=n, k=k, block_size=list(block_size), rotation_sets=sets,
                   weight_floor_us=n * k / bench_gemm.HBM_BYTES_PER_S * 1e6, plan=str(plan),
-                  implementation=plan.implementation, quant_implementation=plan.quant_implementation)
+                  implementation=plan.implementation, quant_implementation=plan.quant_implementation,
+                  scale_layout=plan.scale_layout)
       times: dict[str, float] = {}
       for name in contenders:
         row = _time_contender(name, fns[name], arg_sets, base, expectations.get(name), (sample[0], cols),

@@ -2,7 +2,9 @@
 the copy bandwidth.
 
 All implementations and the copy-bandwidth ceiling are measured in the same process, so ratios are meaningful. On a
-GPU the times are CUPTI kernel times; `run` takes another timer (bench's wall clock on CPU).
+GPU the times are CUPTI kernel times; `run` takes another timer (bench's wall clock on CPU). Before it is timed each
+implementation's output is checked against the float64 reference on sampled rows (docs/CONTRACT.md §1: scales bit
+for bit, codes at most one fp8 step off in at most 1e-4 of the values, pad rows zero with scale 1.0).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfp8 import quant
+from jaxfp8 import reference as ref
 from jaxfp8.tools import results as results_io, timing
 
 DEFAULT_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 DEFAULT_KS = (512, 2048, 7168, 18432)
+ROLES = {"mosaic": "ours", "triton": "ours", "xla": "baseline"}
 # timer(fn, arg_sets, *, iterations) -> median microseconds; default: CUPTI kernel time (jaxfp8.timing).
 Timer = Callable[..., float]
 
@@ -58,12 +62,13 @@ def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS,
       for implementation in implementations:
         fn = jax.jit(lambda x, implementation=implementation: quant.per_token_group_quant_fp8_row_padded(
             x, group_size, implementation=implementation, interpret=False))
+        row = dict(m=m, k=k, implementation=implementation)
         try:
+          row.update(check_codes(fn(*arg_sets[0]), np.asarray(arg_sets[0][0]), group_size))
           us = timer(fn, arg_sets, iterations=iterations)
-          row = dict(m=m, k=k, implementation=implementation, us=us, gbps=num_bytes / (us * 1e-6) / 1e9,
-                     pct_copy_bw=100 * num_bytes / (us * 1e-6) / copy_bw)
+          row.update(us=us, gbps=num_bytes / (us * 1e-6) / 1e9, pct_copy_bw=100 * num_bytes / (us * 1e-6) / copy_bw)
         except Exception as e:  # a failing implementation is reported, not fatal for the others
-          row = dict(m=m, k=k, implementation=implementation, error=f"{type(e).__name__}: {str(e)[:300]}")
+          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
         log(format_row(row))
   result = dict(
@@ -74,11 +79,32 @@ def run(ms: Sequence[int] = DEFAULT_MS, ks: Sequence[int] = DEFAULT_KS,
   return result
 
 
+def check_codes(out, x: np.ndarray, group_size: int, column_major: bool = True) -> dict:
+  """The check of one row-padded quantization (q, s) of x against the float64 reference on the first, middle and
+  last rows (the reference quantizes each row alone) and every pad row."""
+  q, s = (np.asarray(a) for a in out)
+  s = s if column_major else s.T
+  m = x.shape[0]
+  rows, _ = results_io.sample_rows_and_blocks(m, 1, 1)
+  ref_q, ref_s = ref.per_token_group_quant_fp8(x[rows], group_size)
+  got_s = s[:, rows].T
+  scales_exact = bool(np.array_equal(got_s.view(np.uint32), ref_s.view(np.uint32)))
+  distance = ref.fp8_code_distance(q[rows], ref_q)
+  codes_off = int(np.count_nonzero(distance))
+  pads_ok = not q[m:].view(np.uint8).any() and bool((s[:, m:] == 1.0).all())
+  dequantized = lambda codes, scales: codes.astype(np.float64) * np.repeat(scales, group_size, axis=1)
+  return dict(rel_err=ref.relative_error(dequantized(q[rows], got_s), dequantized(ref_q, ref_s)),
+              codes_off=codes_off, scales_exact=scales_exact,
+              within_bound=scales_exact and pads_ok and int(distance.max()) <= 1
+              and codes_off <= max(1, int(1e-4 * distance.size)))
+
+
 def format_row(row: dict) -> str:
   if "error" in row:
     return f"M={row['m']:>6} K={row['k']:>6} {row['implementation']:>7}: ERROR {row['error']}"
   return (f"M={row['m']:>6} K={row['k']:>6} {row['implementation']:>7}: {row['us']:9.2f} us "
-          f"{row['gbps']:8.1f} GB/s {row['pct_copy_bw']:5.1f}% of copy")
+          f"{row['gbps']:8.1f} GB/s {row['pct_copy_bw']:5.1f}% of copy; codes off {row['codes_off']}, scales "
+          f"{'exact' if row['scales_exact'] else 'DIFFER'}{'' if row['within_bound'] else '  <-- FAILED'}")
 
 
 def markdown_table(result: dict) -> str:

@@ -22,10 +22,11 @@ from jaxfp8.tools import args
 
 PROG = "python -m jaxfp8"
 COMMANDS = {
-    "check": ("jaxfp8.tools.check", "(the default) quantize real-model-sized activations with every implementation "
-              "that runs here, check each against the float64 reference, print a table (CPU: < 1 min)"),
-    "bench": ("jaxfp8.tools.bench", "time every op (--ops=gemm,linear,quant), implementation and baseline in one run: "
-              "a table, --out JSON and markdown (GPU: CUPTI kernel times; CPU: wall clock of the XLA paths)"),
+    "check": ("jaxfp8.tools.check", "(the default) the quantizer, the linear on real-model weights and a small MoE "
+              "layer of each family, each against the float64 reference, in one table (CPU: about 6 s)"),
+    "bench": ("jaxfp8.tools.bench", "time every op (--ops=quant,gemm,linear,linear_grad,grouped,moe,valid_rows), "
+              "implementation and baseline in one run, each output checked first: a table, --out JSON and markdown "
+              "(GPU: CUPTI kernel times; CPU: wall clock of the XLA paths on tiny problems)"),
     "tune": ("jaxfp8.tools.tune", "GPU: time the Triton GEMM configs of a declared search space per (shape, M "
              "bucket), write the fastest into a config table (--out)"),
     "plot": ("jaxfp8.tools.plot", "plot a results JSON of bench or tp (needs matplotlib)"),

@@ -7,6 +7,7 @@ CUPTI hooks directly so that JAX kernels and torch kernels are timed the same wa
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,3 +102,16 @@ def kernel_names(fn: Callable[..., Any], args: tuple, *,
   finally:
     timings = ext._cupti_get_timings(True)
   return [name for name, _ in timings]
+
+
+def median_wall_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iterations: int = 30,
+                   sync: Callable[[Any], None] = jax.block_until_ready) -> float:
+  """Median wall time of `fn(*args)` + sync, after one warm-up (compile) call: the CPU stand-in for CUPTI (it
+  measures dispatch and host work too)."""
+  sync(fn(*arg_sets[0]))
+  times = []
+  for i in range(iterations):
+    start = time.perf_counter()
+    sync(fn(*arg_sets[i % len(arg_sets)]))
+    times.append((time.perf_counter() - start) * 1e6)
+  return statistics.median(times)

@@ -53,7 +53,7 @@ from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxfp8 import _platform, linear, weights
-from jaxfp8.tools import args, bench, bench_gemm, bench_linear, timing
+from jaxfp8.tools import args, bench_gemm, bench_linear, timing
 from jaxfp8.tools import results as results_io
 from jaxfp8.tools.tp_checks import BF16_BOUND, ROW_VS_SINGLE_BOUND, Sample, check_output
 from jaxfp8.tools.tp_report import (TIMING_NOTES, add_speedups, format_row, is_collective_kernel, markdown_table,
@@ -210,7 +210,7 @@ def kernel_time(fn: Callable, arg_sets: Sequence[tuple], *, iterations: int, dev
 
 
 def _time(fn: Callable, arg_sets: Sequence[tuple], *, iterations: int, devices: int, on_gpu: bool) -> dict:
-  times = dict(wall_us=bench.median_wall_us(fn, arg_sets, iterations=iterations))
+  times = dict(wall_us=timing.median_wall_us(fn, arg_sets, iterations=iterations))
   if on_gpu:
     try:
       times.update(kernel_time(fn, arg_sets, iterations=iterations, devices=devices))
