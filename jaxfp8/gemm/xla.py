@@ -6,11 +6,14 @@ the codes, P_g = f32(a_q[:, group g]) @ f32(b_q[:, group g])^T at `Precision.HIG
     acc += P_g * (a_s[:, g] * b_s[n // gn, g])
 
 over the groups in order (a `lax.fori_loop` carrying one (M, N) accumulator: nothing of size (K/gk, M, N) is built). The
-scales multiply the products, never the operands, so caller scales anywhere in float32's range give a finite
-result whenever the exact one is (dequantizing first would overflow at scales near 1e36). The products of fp8
-codes are exact in float32 and each group sums at most gk of them; with power-of-two scales and small integer codes
-(the exactness check) every partial sum is exact, so the result is bit-exact. `Precision.HIGHEST` matters on GPUs,
-where XLA's default float32 dot may run in TF32.
+scales multiply the products, never the operands (dequantizing first would overflow at scales near 1e36), and the
+product of the two scales is never formed as a float32 number, which overflows (a_s = 1e30, b_s = 1e10) or
+underflows where P_g * a_s * b_s does not: `scale_products` multiplies P_g by the product of the scales'
+mantissas, then by their power of two in two halves of one sign. Where a_s * b_s is a normal float32 that is
+exactly P_g * (a_s * b_s), bit for bit; elsewhere a term leaves float32's range only where its exact value does
+(docs/CONTRACT.md §2). The products of fp8 codes are exact in float32 and each group sums at most gk of them; with
+power-of-two scales and small integer codes (the exactness check) every partial sum is exact, so the result is
+bit-exact. `Precision.HIGHEST` matters on GPUs, where XLA's default float32 dot may run in TF32.
 
 Also the backend interface the planner asks (`unavailable`, `unsupported`, `default_config_for`, `launch`).
 """
@@ -48,6 +51,34 @@ def dequantize(q: jax.Array, s: jax.Array, rows_per_scale: int, cols_per_scale: 
   return (fp8_values(q) * s_full.astype(jnp.float32)).astype(dtype)
 
 
+def exponent_split(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """float32 s as (mantissa, exponent), s = mantissa * 2**exponent: for a normal s, |mantissa| in [1, 2) and the
+  exponent in [-126, 127]; a zero, subnormal, infinite or NaN s is its own mantissa, with exponent 0."""
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  field = (bits >> 23) & 0xFF
+  normal = (field > 0) & (field < 0xFF)
+  mantissa = lax.bitcast_convert_type((bits & ~0x7F800000) | 0x3F800000, jnp.float32)
+  return jnp.where(normal, mantissa, s), jnp.where(normal, field - 127, 0)
+
+
+def _power_of_two(e: jax.Array) -> jax.Array:
+  """2.0**e in float32 for int32 e in [-126, 127] (a normal number, built from its exponent bits)."""
+  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def scale_products(partial: jax.Array, a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """partial * a_s * b_s (broadcasting) for scales given by their `exponent_split`s a and b.
+
+  The mantissas' product is rounded as float32 a_s * b_s would be, and partial is multiplied by it first; the power
+  of two 2**(e_a + e_b), in [2**-252, 2**254], goes on in two halves of the same sign, each a normal float32, so
+  every intermediate lies between partial * m and the result: none overflows or underflows unless the result does.
+  """
+  (a_m, a_e), (b_m, b_e) = a, b
+  e = a_e + b_e
+  half = e >> 1
+  return partial * (a_m * b_m) * _power_of_two(half) * _power_of_two(e - half)
+
+
 def contract_k(a: jax.Array, b: jax.Array, **kwargs) -> jax.Array:
   """a (M, K) . b (N, K) -> (M, N)."""
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), **kwargs)
@@ -58,10 +89,9 @@ def block_fp8_matmul_xla(
     block_size: tuple[int, int], a_s_column_major: bool, out_dtype,
 ) -> jax.Array:
   """docs/CONTRACT.md §2 on validated arrays: C (M, N) in out_dtype. See the module docstring for the numerics."""
-  m, k = a_q.shape
+  m = a_q.shape[0]
   n = b_q.shape[0]
   gn, gk = block_size
-  groups = -(-k // gk)
   a = fp8_values(a_q)
   if m == 1:
     # XLA's CPU dot takes a matrix-vector path for one row, whose f32 summation order differs from the matrix path:
@@ -71,22 +101,39 @@ def block_fp8_matmul_xla(
   a_scales = row_major_a_scales(a_s, m, a_s_column_major).astype(jnp.float32)  # (M, G)
   a_scales = jnp.pad(a_scales, ((0, rows - m), (0, 0)))
   b_scales = jnp.repeat(b_s.astype(jnp.float32), gn, axis=0, total_repeat_length=n)  # (N, G)
-  # A partial last group is padded with zero codes, which add nothing.
-  a = jnp.pad(a, ((0, 0), (0, groups * gk - k)))
-  b = jnp.pad(fp8_values(b_q), ((0, 0), (0, groups * gk - k)))
+  acc = block_scaled_dot(a, fp8_values(b_q), exponent_split(a_scales), exponent_split(b_scales.T), gk)[:m]
+  if bias is not None:
+    acc = acc + bias.astype(jnp.float32)[None, :]
+  return acc.astype(out_dtype)
+
+
+def block_scaled_dot(a: jax.Array, b: jax.Array, a_scales, b_scales, gk: int) -> jax.Array:
+  """sum over K groups g, in order, of scale_products(P_g, a_scales[:, g], b_scales[g, :]) with P_g the float32 dot
+  of group g of a (R, K) and b (N, K) (code values): (R, N) float32. a_scales (R, G) and b_scales (G, N) are
+  `exponent_split`s. A partial last group is padded with zero codes, which add nothing."""
+  groups = -(-a.shape[1] // gk)
+  a = jnp.pad(a, ((0, 0), (0, groups * gk - a.shape[1])))
+  b = jnp.pad(b, ((0, 0), (0, groups * gk - b.shape[1])))
+  column = lambda split, g, axis: tuple(lax.dynamic_slice_in_dim(x, g, 1, axis=axis) for x in split)
 
   def group_step(g, acc):
     a_g = lax.dynamic_slice_in_dim(a, g * gk, gk, axis=1)
     b_g = lax.dynamic_slice_in_dim(b, g * gk, gk, axis=1)
     partial = contract_k(a_g, b_g, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    scale = lax.dynamic_slice_in_dim(a_scales, g, 1, axis=1) * lax.dynamic_slice_in_dim(b_scales, g, 1, axis=1)[:, 0]
-    return acc + partial * scale
+    return acc + scale_products(partial, column(a_scales, g, 1), column(b_scales, g, 0))
 
-  acc = lax.fori_loop(0, groups, group_step, jnp.zeros((rows, n), jnp.float32))
-  acc = acc[:m]
-  if bias is not None:
-    acc = acc + bias.astype(jnp.float32)[None, :]
-  return acc.astype(out_dtype)
+  # The accumulator starts as a zero of the operands' own type: under jax.shard_map (check_vma) a loop carry must
+  # vary over the mesh axes its updates vary over.
+  zero = zeros_like_operands((a.shape[0], b.shape[0]), jnp.float32, a, b, *a_scales, *b_scales)
+  return lax.fori_loop(0, groups, group_step, zero)
+
+
+def zeros_like_operands(shape, dtype, *operands) -> jax.Array:
+  """Zeros of `shape` typed like a value computed from `operands`: varying over every mesh axis any of them varies
+  over under `jax.shard_map` (each `lax.full_like` keeps its operand's varying axes; outside shard_map there are
+  none)."""
+  zero = sum(lax.full_like(x, 0, dtype, shape=()) for x in operands)
+  return jnp.broadcast_to(zero, shape)
 
 
 def live_rows_only(out: jax.Array, valid_rows: jax.Array | None) -> jax.Array:
