@@ -96,6 +96,9 @@ def linear(x, w_q, w_s, bias, w_q_t, valid_rows, plan, forward, static):
   return forward(x, w_q, w_s, bias, plan, valid_rows)
 
 
+FORWARD_MODE_HINT = ("its derivative is defined in reverse mode (jax.grad, jax.vjp; docs/CONTRACT.md §6), whose "
+                     "backward quantizes dy")
+
 SECOND_ORDER = ("jaxfp8.w8a8_block_fp8_linear's gradient",
                  "higher-order derivatives of the FP8 linear are not supported (its forward and backward quantize)")
 
