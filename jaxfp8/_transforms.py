@@ -66,6 +66,22 @@ def _forward_tangent(value) -> bool:
   return False
 
 
+def varying_axes(x) -> frozenset:
+  """The mesh axes that x varies over inside `jax.shard_map` with check_vma (empty elsewhere): its type's
+  `manual_axis_type.varying` in JAX 0.11 and 0.12, `vma` in the JAX versions that named it so."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def cotangent_like(ct: jax.Array, axes: frozenset) -> jax.Array:
+  """A custom_vjp cotangent `ct` typed like its primal, which varies over `axes`: summed (psum) over the mesh axes
+  it varies over and the primal does not, as JAX's own transpose of a replicated value's use does (the cotangent of
+  a value every device shares is the sum of theirs)."""
+  extra = tuple(sorted(varying_axes(ct) - axes))
+  return jax.lax.psum(ct, extra) if extra else ct
+
+
 def batched(fun: Callable[..., Any], rule: Callable[..., Any]) -> Callable[..., Any]:
   """`fun` (arrays in, arrays out) whose `jax.vmap` calls `rule(axis_size, in_batched, *args) -> (out, out_batched)`,
   `jax.custom_batching.custom_vmap`'s rule signature."""

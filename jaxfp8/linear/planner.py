@@ -173,5 +173,6 @@ def forward(x, w_q, w_s, bias, plan: LinearPlan, valid_rows=None):
 def apply(x, w_q, w_s, bias, plan: LinearPlan, w_q_t=None, valid_rows=None):
   """`forward` with the linear's gradient (`backward`): what a traced call of the linear runs."""
   transforms.refuse_forward_mode("jaxfp8.w8a8_block_fp8_linear", backward.FORWARD_MODE_HINT, x, w_s, bias)
-  static = (tuple(x.shape), jnp.dtype(x.dtype), None if bias is None else jnp.dtype(bias.dtype))
+  static = (tuple(x.shape), jnp.dtype(x.dtype), None if bias is None else jnp.dtype(bias.dtype),
+            transforms.varying_axes(x), None if bias is None else transforms.varying_axes(bias))
   return backward.linear(x, w_q, w_s, bias, w_q_t, valid_rows, plan, forward, static)
