@@ -54,12 +54,16 @@ def _forward_tangent(value) -> bool:
   """Whether `value`, through its nested tracers, is a forward-mode JVP tracer. JAX has no public test for a
   tracer's kind: these are JAX's own classes (the same in JAX 0.11 and 0.12). `jax.grad` traces with
   LinearizeTracers (direct linearization, JAX's default), or without it with JVPTracers whose tangents are
-  partial-evaluation JaxprTracers; `jax.jvp` gives a JVPTracer with any other tangent."""
+  partial-evaluation JaxprTracers; `jax.jvp` gives a JVPTracer with any other tangent. A forward-mode tracer under
+  a reverse-mode one (`jax.hessian`, a jvp of a gradient) is a second derivative: left to the gradient's own
+  refusal."""
   from jax._src.interpreters import ad, partial_eval  # pylint: disable=import-outside-toplevel
   while isinstance(value, jax.core.Tracer):
     if isinstance(value, ad.JVPTracer) and not isinstance(value.tangent, partial_eval.JaxprTracer):
       return True
-    inner = getattr(value, "primal", getattr(value, "val", None))  # JVP/Linearize tracers; Batch and other tracers
+    if isinstance(value, (ad.LinearizeTracer, ad.JVPTracer)):
+      return False
+    inner = getattr(value, "val", None)  # batching and the other tracers that wrap one value
     if inner is None or inner is value:
       return False
     value = inner

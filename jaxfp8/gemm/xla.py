@@ -101,7 +101,7 @@ def block_fp8_matmul_xla(
   a_scales = row_major_a_scales(a_s, m, a_s_column_major).astype(jnp.float32)  # (M, G)
   a_scales = jnp.pad(a_scales, ((0, rows - m), (0, 0)))
   b_scales = jnp.repeat(b_s.astype(jnp.float32), gn, axis=0, total_repeat_length=n)  # (N, G)
-  acc = block_scaled_dot(a, fp8_values(b_q), exponent_split(a_scales), exponent_split(b_scales.T), gk)[:m]
+  acc = block_scaled_dot(a, fp8_values(b_q), exponent_split(a_scales), exponent_split(b_scales), gk)[:m]
   if bias is not None:
     acc = acc + bias.astype(jnp.float32)[None, :]
   return acc.astype(out_dtype)
@@ -109,18 +109,19 @@ def block_fp8_matmul_xla(
 
 def block_scaled_dot(a: jax.Array, b: jax.Array, a_scales, b_scales, gk: int) -> jax.Array:
   """sum over K groups g, in order, of scale_products(P_g, a_scales[:, g], b_scales[g, :]) with P_g the float32 dot
-  of group g of a (R, K) and b (N, K) (code values): (R, N) float32. a_scales (R, G) and b_scales (G, N) are
+  of group g of a (R, K) and b (N, K) (code values): (R, N) float32. a_scales (R, G) and b_scales (N, G) are
   `exponent_split`s. A partial last group is padded with zero codes, which add nothing."""
   groups = -(-a.shape[1] // gk)
   a = jnp.pad(a, ((0, 0), (0, groups * gk - a.shape[1])))
   b = jnp.pad(b, ((0, 0), (0, groups * gk - b.shape[1])))
-  column = lambda split, g, axis: tuple(lax.dynamic_slice_in_dim(x, g, 1, axis=axis) for x in split)
+  column = lambda split, g: tuple(lax.dynamic_slice_in_dim(x, g, 1, axis=1) for x in split)  # (rows, 1)
 
   def group_step(g, acc):
     a_g = lax.dynamic_slice_in_dim(a, g * gk, gk, axis=1)
     b_g = lax.dynamic_slice_in_dim(b, g * gk, gk, axis=1)
     partial = contract_k(a_g, b_g, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return acc + scale_products(partial, column(a_scales, g, 1), column(b_scales, g, 0))
+    b_column = tuple(x[:, 0] for x in column(b_scales, g))  # (N,): along the output's columns
+    return acc + scale_products(partial, column(a_scales, g), b_column)
 
   # The accumulator starts as a zero of the operands' own type: under jax.shard_map (check_vma) a loop carry must
   # vary over the mesh axes its updates vary over.

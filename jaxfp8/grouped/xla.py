@@ -8,9 +8,9 @@ dense XLA GEMM's block-scaled dot (jaxfp8/gemm/xla.py `block_scaled_dot`: per K 
 products of the codes scaled by `scale_products`, added into a float32 accumulator) of one row tile against its own
 expert's weight, of which only the expert's own rows are kept. So a row depends on its own activation row and its
 own expert's weight and scales, nothing else: a NaN in one expert's weights reaches that expert's live rows only,
-and the work follows the routed rows, not E. (`jax.lax.ragged_dot`, which this replaced, on CPU multiplies every
-row by every expert's weight and masks the sum: 0 * NaN poisoned every row, and the time grew with E.) With the
-contract's exactness inputs every partial sum is exact, so the result is bit-exact on CPU.
+and the work follows the routed rows, not E. (`jax.lax.ragged_dot` cannot promise that: on CPU it multiplies
+every row by every expert's weight and masks the sum, where 0 * NaN poisons every row and the time grows with E.)
+With the contract's exactness inputs every partial sum is exact, so the result is bit-exact on CPU.
 
 Also the backend interface the planner asks (`unavailable`, `unsupported`, `default_config_for`, `launch`).
 """
@@ -64,7 +64,7 @@ def _grouped_rows(a_q, a_scales, b_q, b_s, buffer, lo, hi, *, block_size, tile: 
   def expert_step(j, out):
     e = experts[j]
     b = fp8_values(fixed(b_q, j)[e])
-    b_tile_split = tuple(jnp.repeat(x[e], gn, axis=0, total_repeat_length=n).T for x in b_split)  # (G, N)
+    b_tile_split = tuple(jnp.repeat(x[e], gn, axis=0, total_repeat_length=n) for x in b_split)  # (N, G)
 
     def tile_step(t, out):
       first = t * tile
