@@ -115,6 +115,24 @@ def test_gemm_scales_across_float32(rng, implementation, m, n, k, block_size, co
   assert all(_range_rule(out, a_q, b_q, a_s, b_s, block_size, kernel=implementation != "xla")), "a case is missing"
 
 
+@pytest.mark.parametrize("m, n, k, block_size", [(13, 256, 384, (128, 128)), (40, 130, 200, (64, 64))])
+def test_xla_terms_are_the_plain_products_where_those_are_normal(rng, m, n, k, block_size):
+  """A row whose a_s * b_s overflows switches the XLA GEMM to its exponent split for the whole call (docs/CONTRACT.md
+  §2): every other row, whose products are normal, comes out bit for bit as without that row."""
+  x = rng.standard_normal((m, -(-k // block_size[1]) * block_size[1])).astype(np.float32)
+  a_q, a_s = ref.per_token_group_quant_fp8(x, block_size[1])
+  a_q = np.ascontiguousarray(a_q[:, :k])
+  b_q, b_s = ref.quantize_weight_blockwise(rng.standard_normal((n, k)).astype(np.float32), block_size)
+  a_s = (a_s * np.exp2(rng.uniform(-30, 30, a_s.shape))).astype(np.float32)
+  call = lambda a_q, a_s: np.asarray(jaxfp8.w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, block_size,
+                                                                  out_dtype=jnp.float32, implementation="xla"))
+  plain = call(a_q, a_s)
+  extreme = np.full((1, a_s.shape[1]), 2.0**127, np.float32)
+  split = call(np.concatenate([a_q, a_q[:1]]), np.concatenate([a_s, extreme]))
+  np.testing.assert_array_equal(split[:m].view(np.uint32), plain.view(np.uint32))
+  assert np.isfinite(plain).all() and not np.isfinite(split[m]).all()  # that row's exact result overflows
+
+
 @pytest.mark.parametrize("implementation", ["xla", "mosaic"])
 @pytest.mark.parametrize("layout", ["ragged", "masked"])
 def test_grouped_scales_across_float32(rng, implementation, layout):

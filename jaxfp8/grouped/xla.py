@@ -5,8 +5,8 @@ are a segment of a buffer (the ragged layout's sorted rows; the masked layout's 
 row-tile boundaries into (expert, row tile) work items, and only the items that exist run: a loop over the experts
 that hold rows (each one's weight converted once), and in it a loop over that expert's row tiles. An item is the
 dense XLA GEMM's block-scaled dot (jaxfp8/gemm/xla.py `block_scaled_dot`: per K group g, in order, the float32
-products of the codes scaled by `scale_products`, added into a float32 accumulator) of one row tile against its own
-expert's weight, of which only the expert's own rows are kept. So a row depends on its own activation row and its
+products of the codes, scaled, added into a float32 accumulator) of one row tile against its own expert's weight, of
+which only the expert's own rows are kept. So a row depends on its own activation row and its
 own expert's weight and scales, nothing else: a NaN in one expert's weights reaches that expert's live rows only,
 and the work follows the routed rows, not E. (`jax.lax.ragged_dot` cannot promise that: on CPU it multiplies
 every row by every expert's weight and masks the sum, where 0 * NaN poisons every row and the time grows with E.)
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxfp8.gemm import xla as gemm_xla
-from jaxfp8.gemm.xla import exponent_split, fp8_values
+from jaxfp8.gemm.xla import fp8_values
 
 CONFIG_CLASS = None  # no kernel, nothing to configure
 
@@ -52,8 +52,7 @@ def _grouped_rows(a_q, a_scales, b_q, b_s, buffer, lo, hi, *, block_size, tile: 
   _, rows, k = a_q.shape
   n = b_q.shape[1]
   gn, gk = block_size
-  a_split = exponent_split(a_scales)
-  b_split = exponent_split(b_s)  # (E, ceil(N/gn), G): every expert's scales, split once (they are small)
+  normal = gemm_xla.products_normal(a_scales, b_s)  # over every expert's scales: one branch for the whole call
   holding = hi > lo
   experts = jnp.argsort(~holding, stable=True).astype(jnp.int32)
   # XLA's CPU compiler widens fp8 to f16 for a dynamic slice, over the whole operand, and hoists that out of the
@@ -64,15 +63,15 @@ def _grouped_rows(a_q, a_scales, b_q, b_s, buffer, lo, hi, *, block_size, tile: 
   def expert_step(j, out):
     e = experts[j]
     b = fp8_values(fixed(b_q, j)[e])
-    b_tile_split = tuple(jnp.repeat(x[e], gn, axis=0, total_repeat_length=n) for x in b_split)  # (N, G)
+    b_scales = jnp.repeat(b_s[e], gn, axis=0, total_repeat_length=n)  # (N, G)
 
     def tile_step(t, out):
       first = t * tile
       # A buffer's last tile, when its rows are no multiple of the tile, is read ending at its last row.
       at = (buffer[e], jnp.minimum(first, rows - tile), 0)
       a_tile = fp8_values(lax.dynamic_slice(fixed(a_q, t), at, (1, tile, k))[0])
-      a_tile_split = tuple(lax.dynamic_slice(x, at, (1, tile, x.shape[2]))[0] for x in a_split)
-      y = gemm_xla.block_scaled_dot(a_tile, b, a_tile_split, b_tile_split, gk)
+      a_tile_scales = lax.dynamic_slice(a_scales, at, (1, tile, a_scales.shape[2]))[0]
+      y = gemm_xla.block_scaled_dot(a_tile, b, a_tile_scales, b_scales, gk, normal)
       row = at[1] + jnp.arange(tile, dtype=jnp.int32)
       # Only the expert's own rows of this tile: the others belong to other experts (or to its previous tile).
       own = (row >= jnp.maximum(lo[e], first)) & (row < jnp.minimum(hi[e], first + tile))
