@@ -104,8 +104,8 @@ def eps(value) -> float:
 
 def valid_rows(value, rows: int):
   """The live-row count of a call of `rows` rows: None, a Python int in [0, rows], or an integer array of shape ()
-  (traced or not; clipped to [0, rows] where it is used, since a traced value cannot be checked). Returns None or an
-  int32 array of shape ()."""
+  (traced or not: clipped to [0, rows], since a traced value cannot be checked). Returns None or an int32 array of
+  shape (), already clipped."""
   if value is None:
     return None
   if isinstance(value, (bool, np.bool_)):
@@ -120,4 +120,14 @@ def valid_rows(value, rows: int):
                     f"{'' if dtype is None else ' of dtype ' + str(dtype)}")
   if tuple(value.shape) != ():
     raise ValueError(f"valid_rows must be a scalar (shape ()), got shape {tuple(value.shape)}")
-  return jnp.asarray(value).astype(jnp.int32)
+  if isinstance(value, np.ndarray):  # a host value: clipped exactly, whatever its dtype's width
+    return jnp.asarray(min(max(int(value), 0), rows), jnp.int32)
+  # Clipped in the count's own dtype before the cast to int32, which would wrap a wide or unsigned count
+  # (uint32 2**31 + 1 or int64 2**32 + 2) into another value.
+  value = jnp.asarray(value)
+  info = jnp.iinfo(value.dtype)
+  if info.min < 0:
+    value = jnp.maximum(value, jnp.zeros((), value.dtype))
+  if info.max > rows:
+    value = jnp.minimum(value, jnp.asarray(rows, value.dtype))
+  return value.astype(jnp.int32)

@@ -4,6 +4,9 @@
   `jax.grad`, `jax.vjp`, `jax.jvp` and the Jacobians with one error naming the op and the transforms, instead of
   what each kernel's primitive would say (an AssertionError from Pallas-Triton, a NotImplementedError from Mosaic
   GPU, a silent straight-through derivative from XLA).
+- `refuse_forward_mode`: an op whose derivative is a `jax.custom_vjp` (the linear) refuses `jax.jvp` and
+  `jax.jacfwd` with the same kind of error, instead of JAX's generic custom_vjp TypeError (raised at lowering under
+  `jax.jit`); reverse mode is its gradient.
 - `batched`: `jax.vmap` of an op runs its own batching rule, which folds the mapped axis into the rows the kernels
   already loop over (one launch, the same kernels, whatever the backend), instead of each primitive's generic rule.
 """
@@ -34,8 +37,53 @@ def not_differentiable(fun: Callable[..., Any], op: str, hint: str) -> Callable[
     del primals, tangents
     raise TransformError(f"{op} is not differentiable ({_DERIVATIVES} of it are refused): {hint}")
 
-  wrapped.defjvp(refuse)
+  # symbolic_zeros: the rule raises before any tangent is used, so the zero tangents of the other arguments are never
+  # built (JAX would build them eagerly, which fails for arrays typed as sharded over an Explicit mesh axis).
+  wrapped.defjvp(refuse, symbolic_zeros=True)
   return wrapped
+
+
+def refuse_forward_mode(op: str, hint: str, *values) -> None:
+  """Raises `TransformError` naming `op` when any of `values` carries a forward-mode tangent (`jax.jvp`,
+  `jax.jacfwd`); a reverse-mode linearization (`jax.grad`, `jax.vjp`) passes."""
+  if any(_forward_tangent(v) for v in values):
+    raise TransformError(f"{op} has no forward-mode derivative (jax.jvp and jax.jacfwd of it are refused): {hint}")
+
+
+def _forward_tangent(value) -> bool:
+  """Whether `value`, through its nested tracers, is a forward-mode JVP tracer. JAX has no public test for a
+  tracer's kind: these are JAX's own classes (the same in JAX 0.11 and 0.12). `jax.grad` traces with
+  LinearizeTracers (direct linearization, JAX's default), or without it with JVPTracers whose tangents are
+  partial-evaluation JaxprTracers; `jax.jvp` gives a JVPTracer with any other tangent. A forward-mode tracer under
+  a reverse-mode one (`jax.hessian`, a jvp of a gradient) is a second derivative: left to the gradient's own
+  refusal."""
+  from jax._src.interpreters import ad, partial_eval  # pylint: disable=import-outside-toplevel
+  while isinstance(value, jax.core.Tracer):
+    if isinstance(value, ad.JVPTracer) and not isinstance(value.tangent, partial_eval.JaxprTracer):
+      return True
+    if isinstance(value, (ad.LinearizeTracer, ad.JVPTracer)):
+      return False
+    inner = getattr(value, "val", None)  # batching and the other tracers that wrap one value
+    if inner is None or inner is value:
+      return False
+    value = inner
+  return False
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes that x varies over inside `jax.shard_map` with check_vma (empty elsewhere): its type's
+  `manual_axis_type.varying` in JAX 0.11 and 0.12, `vma` in the JAX versions that named it so."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def cotangent_like(ct: jax.Array, axes: frozenset) -> jax.Array:
+  """A custom_vjp cotangent `ct` typed like its primal, which varies over `axes`: summed (psum) over the mesh axes
+  it varies over and the primal does not, as JAX's own transpose of a replicated value's use does (the cotangent of
+  a value every device shares is the sum of theirs)."""
+  extra = tuple(sorted(varying_axes(ct) - axes))
+  return jax.lax.psum(ct, extra) if extra else ct
 
 
 def batched(fun: Callable[..., Any], rule: Callable[..., Any]) -> Callable[..., Any]:

@@ -2,6 +2,8 @@
 # The standard GPU round. One device call can hold about 10 minutes, so the round is split into phases:
 #   scripts/gpu_round.sh PHASE [PHASE ...]        e.g.  scripts/gpu_round.sh tests-quant bench-quant
 # Phases (rough H200 wall times as measured):
+#   tests-suite   every test file with GPU work in three pytest-xdist groups at once (GEMM GPU tests; quantizer,
+#                 linear and the rest; grouped GEMM, gather, MoE and adversarial tests). Not yet timed
 #   tests-all     the GPU-marked GEMM tests, and the quant, linear, weights, nn, sharding, extremes, edges,
 #                 transforms, gradient and example tests (kernels native) at once in two pytest-xdist groups sharing the GPU
 #                 (TEST_WORKERS, default 4, and 2 more; the image has pytest-xdist): compiling is the slow part.
@@ -114,6 +116,20 @@ for phase in "${phases[@]}"; do
         tests/test_weights.py tests/test_nn.py tests/test_sharding.py tests/test_extremes.py tests/test_edges.py \
         tests/test_transforms.py tests/test_grad.py tests/test_examples.py -n "$((workers + 2))" \
         "${parallel_args[@]}" --junitxml="$out/tests_quant_linear.junit.xml"
+      wait_bg ;;
+    tests-suite)
+      # The whole suite on the GPU in three xdist groups at once: the GEMM files' GPU tests, the quantizer/linear
+      # group (every test), and the grouped/MoE group (the GPU tests of the kernel files, every MoE test).
+      workers=${TEST_WORKERS:-4}
+      start_bg tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
+        -n "$workers" "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml"
+      start_bg tests_quant_linear python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py tests/test_linear.py \
+        tests/test_weights.py tests/test_nn.py tests/test_sharding.py tests/test_extremes.py tests/test_edges.py \
+        tests/test_transforms.py tests/test_grad.py tests/test_examples.py tests/test_validation.py \
+        -n "$((workers + 2))" "${parallel_args[@]}" --junitxml="$out/tests_quant_linear.junit.xml"
+      start_bg tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py $(ls tests/test_adversarial.py 2>/dev/null) \
+        tests/test_grouped.py tests/test_gather_rows.py -m "not slow" -n 3 "${parallel_args[@]}" \
+        --junitxml="$out/tests_moe.junit.xml"
       wait_bg ;;
     tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \
                    --junitxml="$out/tests_quant.junit.xml" ;;

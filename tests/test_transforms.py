@@ -157,3 +157,112 @@ def test_every_op_exports_for_cuda_with_its_kernels(weight):
         (2, lambda x: jaxfp8.w8a8_block_fp8_linear(x, w_q, w_s, (128, 128)))):
       text = jax.export.export(jax.jit(f), platforms=["cuda"])(x).mlir_module()
       assert helpers.kernel_calls(text) == ["mosaic_gpu_v2"] * kernels, helpers.kernel_calls(text)
+
+
+# ---- the MoE layer, expert-parallel, and forward-mode derivatives of the linears -------------------------------------
+
+
+def _moe_arrays(rng, experts=4, tokens=4, h=256, i=128):
+  """Random codes and scales for the MoE layer (refused transforms never run it, and vmap is refused at trace)."""
+  codes = lambda *shape: jnp.asarray(np.clip(rng.standard_normal(shape) * 32, -448, 448), jnp.float8_e4m3fn)
+  scales = lambda *shape: jnp.asarray(np.exp2(rng.uniform(-9, -6, shape)), jnp.float32)
+  ids = jnp.asarray(np.stack([rng.choice(experts, 2, replace=False) for _ in range(tokens)]), jnp.int32)
+  return dict(x=_x(rng, (tokens,)).astype(jnp.float32), topk_ids=ids,
+              topk_weights=jnp.asarray(rng.random((tokens, 2)), jnp.float32),
+              w13_q=codes(experts, 2 * i, h), w13_s=scales(experts, 2 * i // 128, h // 128),
+              w2_q=codes(experts, h, i), w2_s=scales(experts, h // 128, i // 128))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "mosaic"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp", "jacrev", "vmap"])
+def test_expert_parallel_moe_refuses_derivatives_and_vmap_alike(rng, implementation, transform):
+  """As fp8_moe does (tests/test_moe.py): every derivative, with respect to the tokens, the routing weights or the
+  weight scales, and vmap are one TransformError naming the op; XLA alone would differentiate through the
+  quantizers, and vmap met ragged_dot's batching rule."""
+  helpers.runnable(implementation)
+  if implementation == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
+    pytest.skip("the Mosaic GPU kernel does not import here")
+  arrays = _moe_arrays(rng)
+  mesh = jax.make_mesh((1,), ("ep",))
+  kw = dict(mesh=mesh, axis_name="ep", implementation=implementation, interpret=_interpret(implementation))
+  for name in ("x", "topk_weights", "w13_s"):
+    f = lambda v: jaxfp8.moe.expert_parallel_fp8_moe(**{**arrays, name: v}, **kw).astype(jnp.float32)
+    v = arrays[name]
+    run = {"grad": lambda: jax.grad(lambda v: f(v).sum())(v),
+           "vjp": lambda: jax.vjp(f, v),
+           "jvp": lambda: jax.jvp(f, (v,), (jnp.ones_like(v),)),
+           "jacrev": lambda: jax.jacrev(f)(v),
+           "vmap": lambda: jax.vmap(f)(jnp.stack([v, v]))}[transform]
+    message = ("jax.vmap of jaxfp8.moe.expert_parallel_fp8_moe" if transform == "vmap" else
+               r"jaxfp8\.moe\.expert_parallel_fp8_moe is not differentiable \(jax\.grad, jax\.vjp, jax\.jvp")
+    with pytest.raises(TransformError, match=message):
+      run()
+
+
+def test_the_moe_block_with_a_mesh_refuses_derivatives(rng):
+  pytest.importorskip("flax.nnx")
+  import test_moe
+  from jaxfp8.moe.nn import Fp8MoE
+  mesh = jax.make_mesh((1,), ("ep",))
+  layer = Fp8MoE(test_moe._moe_weights(rng, deepseek=False, e=4), jaxfp8.moe.Qwen3MoeRouter(top_k=2), mesh=mesh,
+                 axis_name="ep")
+  x = _x(rng, (4,)).astype(jnp.float32)
+  with pytest.raises(TransformError, match="jaxfp8.moe.expert_parallel_fp8_moe is not differentiable"):
+    jax.grad(lambda x: layer(x).astype(jnp.float32).sum())(x)
+  with pytest.raises(TransformError, match="jaxfp8.moe.expert_parallel_fp8_moe is not differentiable"):
+    jax.jvp(layer, (x,), (x,))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_forward_mode_derivatives_of_the_linear_are_refused_alike(rng, weight, implementation):
+  """jax.jvp and jax.jacfwd of the linear (whose gradient is a custom_vjp) are one TransformError naming it, eager
+  and under jit or vmap, with respect to x, the weight scales or the bias, with and without valid_rows (JAX would
+  raise its generic custom_vjp TypeError, under jit only at lowering); reverse mode still gives the gradient, with
+  or without JAX's direct linearization. (jax.jvp of a function jitted before the jvp traces the linear without
+  its tangents: JAX's own error, docs/CONTRACT.md §5.)"""
+  helpers.runnable(implementation)
+  w_q, w_s = weight
+  bias = jnp.asarray(rng.standard_normal(256), jnp.float32)
+  x = _x(rng).astype(jnp.float32)
+  kw = dict(implementation=implementation, interpret=_interpret(implementation))
+  call = lambda x=x, w_s=w_s, bias=bias, **more: jaxfp8.w8a8_block_fp8_linear(x, w_q, w_s, (128, 128), bias,
+                                                                             **kw, **more)
+  cases = {
+      "jvp": lambda: jax.jvp(call, (x,), (x,)),
+      "jit_jvp": lambda: jax.jit(lambda x: jax.jvp(call, (x,), (x,)))(x),
+      "jacfwd": lambda: jax.jacfwd(call)(x[:1]),
+      "vmap_jvp": lambda: jax.vmap(lambda x: jax.jvp(call, (x,), (x,)))(jnp.stack([x, x])),
+      "jvp_vmap": lambda: jax.jvp(jax.vmap(call), (x[None],), (x[None],)),
+      "scales": lambda: jax.jvp(lambda s: call(w_s=s), (w_s,), (w_s,)),
+      "bias": lambda: jax.jvp(lambda b: call(bias=b), (bias,), (bias,)),
+      "valid_rows": lambda: jax.jvp(lambda x: call(x, valid_rows=jnp.int32(3)), (x,), (x,)),
+  }
+  for name, run in cases.items():
+    with pytest.raises(TransformError, match=r"jaxfp8\.w8a8_block_fp8_linear has no forward-mode derivative"):
+      run()
+  loss = lambda x: (call(x) ** 2).sum()
+  want = np.asarray(jax.grad(loss)(x))
+  previous = jax.config.jax_use_direct_linearize
+  try:
+    jax.config.update("jax_use_direct_linearize", not previous)
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x)), want)
+  finally:
+    jax.config.update("jax_use_direct_linearize", previous)
+
+
+def test_forward_mode_of_the_parallel_linears_and_the_nnx_layer_is_refused(rng, weight):
+  w_q, w_s = weight
+  mesh = jax.make_mesh((1,), ("tp",))
+  x = _x(rng).astype(jnp.float32)
+  for parallel in ("column", "row"):
+    f = lambda x: getattr(jaxfp8.linear, f"{parallel}_parallel_linear")(x, w_q, w_s, (128, 128), mesh=mesh,
+                                                                          axis_name="tp")
+    with pytest.raises(TransformError, match=rf"jaxfp8\.linear\.{parallel}_parallel_linear has no forward-mode"):
+      jax.jvp(f, (x,), (x,))
+    assert jax.grad(lambda x: f(x).sum())(x).shape == x.shape
+  pytest.importorskip("flax.nnx")
+  from jaxfp8.nn import Fp8Linear
+  from flax import nnx
+  layer = Fp8Linear.from_linear(nnx.Linear(256, 128, rngs=nnx.Rngs(0)))
+  with pytest.raises(TransformError, match=r"jaxfp8\.w8a8_block_fp8_linear has no forward-mode derivative"):
+    jax.jvp(layer, (x,), (x,))

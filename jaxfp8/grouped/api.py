@@ -7,7 +7,8 @@ Each validates its arguments once, asks `planner.plan` for the implementation an
 group_sizes and masked_m are traced arrays: routing changes never recompile. Implementations:
   "mosaic": Pallas Mosaic GPU kernel for Hopper (pallas_kernels/grouped_gemm_mosaic.py); block (128, 128), N and K
             multiples of 128.
-  "xla":    jnp (`lax.ragged_dot_general` per K group), any platform (jaxfp8/grouped/xla.py).
+  "xla":    jnp (a loop over the experts that hold rows, per row tile the dense XLA GEMM), any platform
+            (jaxfp8/grouped/xla.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
 """The XLA grouped GEMM: docs/CONTRACT.md §7 in plain jnp, on any platform.
 
-Per K group g, in order, the float32 products of the codes P_g (at `Precision.HIGHEST`) are scaled and added into one
-float32 accumulator, as the dense XLA GEMM does (jaxfp8/gemm/xla.py): the ragged layout takes P_g from
-`lax.ragged_dot_general` (each row against its own group's weight), the masked layout from one batched dot over the
-experts. The weight scale of a row is its group's, gathered per row. With the contract's exactness inputs every
-partial sum is exact, so the result is bit-exact on CPU.
+Both layouts run the decomposition of the Mosaic kernel (pallas_kernels/grouped_gemm_mosaic.py): each expert's rows
+are a segment of a buffer (the ragged layout's sorted rows; the masked layout's own buffer per expert), cut at
+row-tile boundaries into (expert, row tile) work items, and only the items that exist run: a loop over the experts
+that hold rows (each one's weight converted once), and in it a loop over that expert's row tiles. An item is the
+dense XLA GEMM's block-scaled dot (jaxfp8/gemm/xla.py `block_scaled_dot`: per K group g, in order, the float32
+products of the codes, scaled, added into a float32 accumulator) of one row tile against its own expert's weight, of
+which only the expert's own rows are kept. So a row depends on its own activation row and its
+own expert's weight and scales, nothing else: a NaN in one expert's weights reaches that expert's live rows only,
+and the work follows the routed rows, not E. (`jax.lax.ragged_dot` cannot promise that: on CPU it multiplies
+every row by every expert's weight and masks the sum, where 0 * NaN poisons every row and the time grows with E.)
+With the contract's exactness inputs every partial sum is exact, so the result is bit-exact on CPU.
 
 Also the backend interface the planner asks (`unavailable`, `unsupported`, `default_config_for`, `launch`).
 """
@@ -20,77 +26,87 @@ from jaxfp8.gemm.xla import fp8_values
 
 CONFIG_CLASS = None  # no kernel, nothing to configure
 
-_RAGGED_DIMS = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
 
 def ragged_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
   """(starts, ends) of the groups' rows (docs/CONTRACT.md §7: negative sizes count as 0, the groups are cut at M)."""
-  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
+  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)  # clipped first: the cumulative sum cannot overflow
   ends = jnp.minimum(jnp.cumsum(sizes), m)
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
 
 
-def _pad_k(x: jax.Array, groups: int, gk: int) -> jax.Array:
-  """Zero codes up to whole K groups (they add nothing)."""
-  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, groups * gk - x.shape[-1])])
+def row_tile(rows_per_expert: int, rows: int) -> int:
+  """The rows of a work item (at most `rows`, a buffer's): each expert's last tile is partly wasted, and each tile
+  costs a loop step, so about half an expert's rows, a power of two in [4, 64] (on CPU, over 64 to 16384 rows and
+  8 to 256 experts, within a few tens of percent of the best tile)."""
+  tile = 1 << (max(rows_per_expert // 2, 1) - 1).bit_length()  # the least power of two >= rows_per_expert / 2
+  return max(min(max(tile, 4), 64, rows), 1)
+
+
+def _grouped_rows(a_q, a_scales, b_q, b_s, buffer, lo, hi, *, block_size, tile: int, operands) -> jax.Array:
+  """Expert e's rows [lo[e], hi[e]) of buffer buffer[e] of a_q (B, R, K) (scales a_scales (B, R, G) float32, R >=
+  tile) against its weight b_q[e], every other row 0: (B, R, N) float32.
+
+  The experts that hold rows go first (a stable sort, so in order); a loop over them converts each one's weight
+  once, and an inner loop runs its row tiles. The counts of both loops are traced: nothing runs for an empty
+  expert, and the work is that of the routed rows."""
+  _, rows, k = a_q.shape
+  n = b_q.shape[1]
+  gn, gk = block_size
+  normal = gemm_xla.products_normal(a_scales, b_s)  # over every expert's scales: one branch for the whole call
+  holding = hi > lo
+  experts = jnp.argsort(~holding, stable=True).astype(jnp.int32)
+  # XLA's CPU compiler widens fp8 to f16 for a dynamic slice, over the whole operand, and hoists that out of the
+  # loop (every expert's weights converted on every call); a barrier tied to the loop index keeps each conversion
+  # to the loop step's own expert or rows.
+  fixed = lambda x, i: lax.optimization_barrier((x, i))[0]
+
+  def expert_step(j, out):
+    e = experts[j]
+    b = fp8_values(fixed(b_q, j)[e])
+    b_scales = jnp.repeat(b_s[e], gn, axis=0, total_repeat_length=n)  # (N, G)
+
+    def tile_step(t, out):
+      first = t * tile
+      # A buffer's last tile, when its rows are no multiple of the tile, is read ending at its last row.
+      at = (buffer[e], jnp.minimum(first, rows - tile), 0)
+      a_tile = fp8_values(lax.dynamic_slice(fixed(a_q, t), at, (1, tile, k))[0])
+      a_tile_scales = lax.dynamic_slice(a_scales, at, (1, tile, a_scales.shape[2]))[0]
+      y = gemm_xla.block_scaled_dot(a_tile, b, a_tile_scales, b_scales, gk, normal)
+      row = at[1] + jnp.arange(tile, dtype=jnp.int32)
+      # Only the expert's own rows of this tile: the others belong to other experts (or to its previous tile).
+      own = (row >= jnp.maximum(lo[e], first)) & (row < jnp.minimum(hi[e], first + tile))
+      kept = jnp.where(own[:, None], y, lax.dynamic_slice(out, at, (1, tile, n))[0])
+      return lax.dynamic_update_slice(out, kept[None], at)
+
+    return lax.fori_loop(lo[e] // tile, (hi[e] + tile - 1) // tile, tile_step, out)
+
+  zero = gemm_xla.zeros_like_operands((a_q.shape[0], rows, n), jnp.float32, *operands)
+  return lax.fori_loop(0, jnp.sum(holding, dtype=jnp.int32), expert_step, zero)
 
 
 def ragged_block_fp8_matmul_xla(a_q, b_q, a_s, b_s, group_sizes, *, block_size, a_s_column_major: bool,
                                 out_dtype) -> jax.Array:
-  """The ragged layout on validated arrays: (M, N) of out_dtype."""
-  m, k = a_q.shape
-  num_groups, n = b_q.shape[:2]
-  gn, gk = block_size
-  groups = -(-k // gk)
+  """The ragged layout on validated arrays: (M, N) of out_dtype. One buffer of M rows; group e's rows a segment."""
+  m = a_q.shape[0]
+  num_groups = b_q.shape[0]
+  tile = row_tile(m // num_groups, m)
   starts, ends = ragged_bounds(group_sizes, m)
-  sizes = ends - starts
-  rows = jnp.arange(m, dtype=jnp.int32)
-  owned = rows < ends[-1]
-  # The group of each row (rows past the last group take the last group's scales, then are zeroed).
-  row_group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), num_groups - 1)
-  a = jnp.where(owned[:, None], _pad_k(fp8_values(a_q), groups, gk), 0.0)  # rows no group owns may hold anything
-  b = _pad_k(fp8_values(b_q), groups, gk)
-  a_scales = (a_s[:, :m].T if a_s_column_major else a_s[:m]).astype(jnp.float32)  # (M, G)
-  b_scales = b_s.astype(jnp.float32)  # (E, ceil(N/gn), G)
-
-  def group_step(g, acc):
-    a_g = lax.dynamic_slice_in_dim(a, g * gk, gk, axis=1)
-    b_g = lax.dynamic_slice_in_dim(b, g * gk, gk, axis=2)
-    partial = lax.ragged_dot_general(a_g, b_g, sizes, _RAGGED_DIMS, precision=lax.Precision.HIGHEST,
-                                     preferred_element_type=jnp.float32)
-    w_scale = jnp.repeat(lax.dynamic_index_in_dim(b_scales, g, axis=2, keepdims=False)[row_group], gn, axis=1,
-                         total_repeat_length=n)  # (M, N)
-    return acc + partial * (lax.dynamic_slice_in_dim(a_scales, g, 1, axis=1) * w_scale)
-
-  acc = lax.fori_loop(0, groups, group_step, jnp.zeros((m, n), jnp.float32))
-  return jnp.where(owned[:, None], acc, 0.0).astype(out_dtype)
+  a_scales = gemm_xla.row_major_a_scales(a_s, m, a_s_column_major).astype(jnp.float32)
+  out = _grouped_rows(a_q[None], a_scales[None], b_q, b_s, jnp.zeros((num_groups,), jnp.int32), starts, ends,
+                      block_size=block_size, tile=tile, operands=(a_q, b_q, a_s, b_s, group_sizes))
+  return out[0].astype(out_dtype)
 
 
 def masked_block_fp8_matmul_xla(a_q, b_q, a_s, b_s, masked_m, *, block_size, a_s_column_major: bool,
                                 out_dtype) -> jax.Array:
-  """The masked layout on validated arrays: (E, T, N) of out_dtype."""
-  num_groups, rows, k = a_q.shape
-  n = b_q.shape[1]
-  gn, gk = block_size
-  groups = -(-k // gk)
-  live = jnp.arange(rows, dtype=jnp.int32)[None, :] < jnp.clip(masked_m.astype(jnp.int32), 0, rows)[:, None]
-  a = jnp.where(live[:, :, None], _pad_k(fp8_values(a_q), groups, gk), 0.0)
-  b = _pad_k(fp8_values(b_q), groups, gk)
-  a_scales = (jnp.swapaxes(a_s[:, :, :rows], 1, 2) if a_s_column_major else a_s[:, :rows]).astype(jnp.float32)
-  b_scales = jnp.repeat(b_s.astype(jnp.float32), gn, axis=1, total_repeat_length=n)  # (E, N, G)
-
-  def group_step(g, acc):
-    a_g = lax.dynamic_slice_in_dim(a, g * gk, gk, axis=2)
-    b_g = lax.dynamic_slice_in_dim(b, g * gk, gk, axis=2)
-    partial = lax.dot_general(a_g, b_g, (((2,), (2,)), ((0,), (0,))), precision=lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32)  # (E, T, N)
-    scale = (lax.dynamic_slice_in_dim(a_scales, g, 1, axis=2)
-             * lax.dynamic_slice_in_dim(b_scales, g, 1, axis=2)[:, None, :, 0])
-    return acc + partial * scale
-
-  acc = lax.fori_loop(0, groups, group_step, jnp.zeros((num_groups, rows, n), jnp.float32))
-  return jnp.where(live[:, :, None], acc, 0.0).astype(out_dtype)
+  """The masked layout on validated arrays: (E, T, N) of out_dtype. Expert e's live rows are its buffer's segment."""
+  num_groups, rows, _ = a_q.shape
+  tile = row_tile(rows, rows)
+  a_scales = jnp.swapaxes(a_s[:, :, :rows], 1, 2) if a_s_column_major else a_s
+  experts = jnp.arange(num_groups, dtype=jnp.int32)
+  out = _grouped_rows(a_q, a_scales.astype(jnp.float32), b_q, b_s, experts, jnp.zeros_like(experts),
+                      jnp.clip(masked_m.astype(jnp.int32), 0, rows), block_size=block_size, tile=tile, operands=(a_q, b_q, a_s, b_s, masked_m))
+  return out.astype(out_dtype)
 
 
 # ---- the backend interface the planner asks -------------------------------------------------------------------------

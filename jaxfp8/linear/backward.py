@@ -91,10 +91,14 @@ def bias_gradient(dy, bias_dtype, valid_rows=None):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def linear(x, w_q, w_s, bias, w_q_t, valid_rows, plan, forward, static):
   """`forward(x, w_q, w_s, bias, plan[, valid_rows])` with the backward above; `static` = (x's shape, x's dtype,
-  bias dtype). valid_rows: None, or the masked plan's traced live-row count."""
+  bias dtype, the mesh axes x and the bias vary over under jax.shard_map). valid_rows: None, or the masked plan's
+  traced live-row count."""
   del w_q_t, static
   return forward(x, w_q, w_s, bias, plan, valid_rows)
 
+
+FORWARD_MODE_HINT = ("its derivative is defined in reverse mode (jax.grad, jax.vjp; docs/CONTRACT.md §6), whose "
+                     "backward quantizes dy")
 
 SECOND_ORDER = ("jaxfp8.w8a8_block_fp8_linear's gradient",
                  "higher-order derivatives of the FP8 linear are not supported (its forward and backward quantize)")
@@ -110,7 +114,7 @@ def _linear_fwd(x, w_q, w_s, bias, w_q_t, valid_rows, plan, forward, static):
 
 def _linear_bwd(plan, forward, static, residuals, dy):
   del forward
-  x_shape, x_dtype, bias_dtype = static
+  x_shape, x_dtype, bias_dtype, x_axes, bias_axes = static
   w_q, w_s, w_q_t, valid_rows = residuals
   mode = plan.options.backward
 
@@ -121,6 +125,10 @@ def _linear_bwd(plan, forward, static, residuals, dy):
 
   grads = transforms.not_differentiable(grads, *SECOND_ORDER)
   dx, dbias = grads(dy)
+  # Under jax.shard_map with check_vma, each cotangent has its primal's type (dy may vary where x or the bias does
+  # not: a shared bias's cotangent is the sum of every device's).
+  dx = transforms.cotangent_like(dx, x_axes)
+  dbias = None if dbias is None else transforms.cotangent_like(dbias, bias_axes)
   # The FP8 weights are frozen: zero cotangents for w_q, w_s and w_q_t; valid_rows is an integer count.
   return dx, None, None, dbias, None, None
 

@@ -90,6 +90,7 @@ def _parallel_fn(parallel: str, ndim: int, has_bias: bool, *, mesh, axis_name: s
     """`mapped` with the gradient computed by `mapped_dx`, not by transposing the shard_map: without
     varying-axes types, JAX transposes the row-parallel psum as a psum of dy / P over the devices, which rounds dy
     (a one-code change of its quantization somewhere in dx for a few seeds in a hundred)."""
+    transforms.refuse_forward_mode(f"jaxfp8.linear.{parallel}_parallel_linear", backward.FORWARD_MODE_HINT, *args)
     x_dtype, bias_dtype = args[0].dtype, (args[3].dtype if has_bias else None)
 
     @jax.custom_vjp

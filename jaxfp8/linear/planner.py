@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxfp8 import _checks, _platform, gemm, quant
+from jaxfp8 import _transforms as transforms
 from jaxfp8.linear import backward
 
 
@@ -171,5 +172,7 @@ def forward(x, w_q, w_s, bias, plan: LinearPlan, valid_rows=None):
 
 def apply(x, w_q, w_s, bias, plan: LinearPlan, w_q_t=None, valid_rows=None):
   """`forward` with the linear's gradient (`backward`): what a traced call of the linear runs."""
-  static = (tuple(x.shape), jnp.dtype(x.dtype), None if bias is None else jnp.dtype(bias.dtype))
+  transforms.refuse_forward_mode("jaxfp8.w8a8_block_fp8_linear", backward.FORWARD_MODE_HINT, x, w_s, bias)
+  static = (tuple(x.shape), jnp.dtype(x.dtype), None if bias is None else jnp.dtype(bias.dtype),
+            transforms.varying_axes(x), None if bias is None else transforms.varying_axes(bias))
   return backward.linear(x, w_q, w_s, bias, w_q_t, valid_rows, plan, forward, static)

@@ -18,7 +18,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxfp8 import _mesh, quant
+from jaxfp8 import _transforms as transforms
 from jaxfp8.moe import api, layer, planner
+
+_OP = "jaxfp8.moe.expert_parallel_fp8_moe"
 
 
 def _slot_positions(dst: jax.Array, devices: int) -> jax.Array:
@@ -87,7 +90,13 @@ def expert_parallel_fp8_moe(
                       options, routed_rows=devices * local_tokens * top_k)
   split = PartitionSpec(axis_name)
   args = _mesh.with_specs((x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s), mesh, (split,) * 7)
-  return _parallel(*args, plan=plan, mesh=mesh, axis_name=axis_name, devices=devices)
+  run = functools.partial(_parallel, plan=plan, mesh=mesh, axis_name=axis_name, devices=devices)
+  # As the single-device layer (`api.transformable`): no derivative, no vmap, the same error on every implementation
+  # (XLA would otherwise differentiate straight through the quantizers).
+  return transforms.untransformable(
+      run, _OP, vmap_hint="its tokens are already split over the mesh; put a batch's tokens into T instead",
+      derivative_hint="its experts are frozen FP8 codes and its routing is discrete; fine-tune around it (e.g. "
+      "adapters)")(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "mesh", "axis_name", "devices"))
