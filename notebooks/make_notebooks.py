@@ -196,15 +196,16 @@ print(f"vs the bf16 block (the model before FP8):               {reference.relat
 print()
 print(moe.explain(x, w13_q, w2_q, top_k=TOP_K))"""),
     new_markdown_cell("""## 3. Routed rows per expert
-The grouped GEMMs see the rows sorted by expert; `group_sizes` counts them. An expert no token chose costs nothing."""),
-    new_code_cell("""order, group_sizes = moe.planner.sort_by_expert(ids, E)
+The layer's `dispatch` step sorts the routed rows by expert; `group_sizes` counts them. An expert no token chose
+costs nothing."""),
+    new_code_cell("""group_sizes = moe.layer.dispatch(ids, E).group_sizes
 fig, ax = plt.subplots(figsize=(7, 3))
 ax.bar(np.arange(E), np.asarray(group_sizes))
 ax.set_xlabel("expert"); ax.set_ylabel("routed rows"); ax.set_title(f"{T} tokens x top-{TOP_K} over {E} experts")
 plt.show()"""),
     new_markdown_cell("""## 4. The layer step by step
-`python -m jaxfp8 bench --ops=moe` times each step of the layer alone (route, sort, quantize, permute, gate_up,
-silu_quant, down, combine), the whole layer, and the same layer in bf16, each checked against the float64 reference
+`python -m jaxfp8 bench --ops=moe` times each step of the layer alone (route, then `jaxfp8.moe.layer.STEPS`:
+dispatch, quantize, permute, gate_up, silu_quant, down, combine), the whole layer, and the same layer in bf16, each checked against the float64 reference
 first. On the H200 it is CUPTI kernel time (`scripts/gpu_round.sh moe` writes `moe_h200.json`); here, without that
 file, it runs a tiny layer on this machine."""),
     new_code_cell("""from jaxfp8.tools import bench

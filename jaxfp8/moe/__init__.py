@@ -5,10 +5,12 @@
     explain(x, w13_q, w2_q, top_k, block_size)                                 -> MoePlan
     expert_parallel_fp8_moe(...)                                               experts split over a mesh axis
 
-Layout: `api` (validation, the public functions), `planner` (the four ops' plans; `forward`), `routing` (the two
-families' routers), `parallel` (expert parallelism through `jax.shard_map` and all-to-all).
+Layout: `api` (validation, the public functions), `planner` (every step's plan), `layer` (the forward as named
+steps on the live rows), `permute` (the permute's backends), `routing` (the two families' routers), `parallel`
+(expert parallelism through `jax.shard_map` and all-to-all).
 """
 
+from jaxfp8.moe import layer
 from jaxfp8.moe.api import explain, fp8_moe, fp8_moe_from_logits, transformable
 from jaxfp8.moe.parallel import expert_parallel_fp8_moe
 from jaxfp8.moe.planner import MoeOptions, MoePlan
