@@ -111,16 +111,17 @@ def masked_segments(masked_m: jax.Array, rows: int, zero_unowned_rows: bool = Tr
 
 
 def work_items(segments: tuple[jax.Array, ...], tile_m: int, num_items: int) -> jax.Array:
-  """int32 (ITEM_FIELDS, num_items): each segment cut at the row-tile boundaries, computed segments' items first.
-  Items past the last real one have lo == hi (nothing to do)."""
+  """int32 (ITEM_FIELDS, num_items): each segment cut at the row-tile boundaries, in segment order (both layouts list
+  their computed segments before their zero ones). Items past the last real one have lo == hi (nothing to do).
+
+  A few fused XLA ops (no sort, and the segment of each item found by comparing against every segment end at once):
+  at decode this prologue is a visible part of the call."""
   batch, group, lo, hi = segments
-  order = jnp.argsort(group == ZERO_GROUP, stable=True)
-  batch, group, lo, hi = batch[order], group[order], lo[order], hi[order]
   first_block = lo // tile_m
   counts = jnp.where(hi > lo, (jnp.maximum(hi, 1) - 1) // tile_m - first_block + 1, 0)
   ends = jnp.cumsum(counts)
   index = jnp.arange(num_items, dtype=jnp.int32)
-  seg = jnp.minimum(jnp.searchsorted(ends, index, side="right"), batch.shape[0] - 1)
+  seg = jnp.minimum(jnp.searchsorted(ends, index, side="right", method="compare_all"), batch.shape[0] - 1)
   real = index < ends[-1]
   block = first_block[seg] + index - (ends[seg] - counts[seg])
   item_lo = jnp.where(real, jnp.maximum(lo[seg], block * tile_m), 0)

@@ -79,8 +79,10 @@ def _range_rule(out, a_q, b_q, a_s, b_s, block_size, *, kernel: bool) -> tuple[b
   inside = size < F32_MAX / 4  # every partial sum well inside float32's range
   overflow = ~np.isfinite(products).all(axis=0)
   # float32 partial sums of gk fp8 products, then float32 scaling; terms under 2**-126 flush (and on the kernels, a
-  # subnormal a_s * b_s loses a term under 2**-101).
-  bound = 2.0**-15 * size + groups * (2.0**-100 if kernel else 2.0**-125)
+  # subnormal a_s * b_s loses a term under 2**-101). Natively, Hopper's FP8 tensor cores sum a K group's products
+  # with about 14 bits (docs/CONTRACT.md §2), so a native kernel's partial sums are that far from exact.
+  native = kernel and helpers.ON_GPU
+  bound = (2.0**-10 if native else 2.0**-15) * size + groups * (2.0**-100 if kernel else 2.0**-125)
   held = inside & ~overflow if kernel else inside
   with np.errstate(invalid="ignore"):
     bad = held & ~(np.abs(out - exact) <= bound)

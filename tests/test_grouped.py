@@ -398,7 +398,7 @@ def test_config_kinds_lower_for_cuda(kind):
 def test_plans_say_why():
   a = jax.ShapeDtypeStruct((4096, 7168), F8)
   b = jax.ShapeDtypeStruct((32, 4096, 7168), F8)
-  cpu = grouped.plan_for(a, b, (128, 128))
+  cpu = grouped.plan_for(a, b, (128, 128), device=helpers.fake_device(None))
   assert cpu.implementation == "xla" and "no NVIDIA GPU" in str(cpu)
   if MOSAIC_GEMM_IMPORTABLE:
     with _platform.abstract_h200():

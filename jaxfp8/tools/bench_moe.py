@@ -218,7 +218,8 @@ def _layer_values(layer: Layer, key) -> dict:
   w13_q, w13_s = _weights(k13, layer.experts, 2 * layer.intermediate, layer.hidden)
   w2_q, w2_s = _weights(k2, layer.experts, layer.hidden, layer.intermediate)
   return dict(w13_q=w13_q, w13_s=w13_s, w2_q=w2_q, w2_s=w2_s,
-              gate_weight=jax.random.normal(kg, (layer.total_experts, layer.hidden), jnp.float32) * 0.02,
+              # bfloat16, as the checkpoints store the gate
+              gate_weight=(jax.random.normal(kg, (layer.total_experts, layer.hidden)) * 0.02).astype(jnp.bfloat16),
               bias=jax.random.uniform(kb, (layer.total_experts,), minval=-0.05, maxval=0.05))
 
 
