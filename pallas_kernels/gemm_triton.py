@@ -69,6 +69,10 @@ class TritonGemmConfig:
   split_k: int = 1
   swap_ab: bool = False
 
+  def __post_init__(self):
+    if problems := _own_problems(self):
+      raise ValueError(f"TritonGemmConfig cannot build a kernel: {'; '.join(problems)}")
+
   def to_dict(self) -> dict[str, int | bool]:
     return dataclasses.asdict(self)
 
@@ -85,17 +89,16 @@ def _is_power_of_two(x: int) -> bool:
   return x > 0 and x & (x - 1) == 0
 
 
-def config_problems(config: TritonGemmConfig, block_size: tuple[int, int]) -> list[str]:
-  """Why `config` cannot run with scale blocks `block_size = (gn, gk)`; empty when it can."""
-  _, gk = block_size
+def _own_problems(config: TritonGemmConfig) -> list[str]:
+  """What makes a config unbuildable whatever the problem (its `__post_init__` refuses these)."""
   problems = []
   for name in ("block_m", "block_n", "block_k"):
     value = getattr(config, name)
-    if not isinstance(value, int) or not _is_power_of_two(value):
+    if not isinstance(value, int) or isinstance(value, bool) or not _is_power_of_two(value):
       problems.append(f"{name}={value!r} is not a power of two (Triton block shapes must be)")
   for name in ("group_m", "num_warps", "num_stages", "split_k"):
     value = getattr(config, name)
-    if not isinstance(value, int) or value < 1:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       problems.append(f"{name}={value!r} must be a positive int")
   if not isinstance(config.swap_ab, bool):
     problems.append(f"swap_ab={config.swap_ab!r} must be a bool")
@@ -105,6 +108,19 @@ def config_problems(config: TritonGemmConfig, block_size: tuple[int, int]) -> li
     problems.append(f"num_warps={config.num_warps} is not a power of two")
   if config.block_m < MIN_DOT_MN or config.block_n < MIN_DOT_MN:
     problems.append(f"block_m={config.block_m}, block_n={config.block_n}: Triton dots need both >= {MIN_DOT_MN}")
+  smem = config.num_stages * (config.block_m + config.block_n) * config.block_k  # the pipelined fp8 A and B tiles
+  if smem > MAX_SHARED_MEMORY_BYTES:
+    problems.append(
+        f"num_stages={config.num_stages} x (block_m + block_n) x block_k = {smem} bytes of pipelined FP8 tiles, more "
+        f"than the {MAX_SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block can have: use fewer stages")
+  return problems
+
+
+def config_problems(config: TritonGemmConfig, block_size: tuple[int, int]) -> list[str]:
+  """Why `config` (a valid one: it checked itself) cannot run with scale blocks `block_size = (gn, gk)`; empty when
+  it can."""
+  _, gk = block_size
+  problems = []
   bk = config.block_k
   if bk % gk and gk % bk:
     problems.append(f"block_k={bk} is neither a divisor nor a multiple of the scale group gk={gk}")
@@ -117,11 +133,6 @@ def config_problems(config: TritonGemmConfig, block_size: tuple[int, int]) -> li
         f"f32 accumulator at least every {MAX_DOT_K} K: use block_k <= {MAX_DOT_K}")
   elif bk > gk and not _is_power_of_two(gk):
     problems.append(f"block_k={bk} > gk={gk} needs a power-of-two gk (each group is its own Triton block)")
-  smem = config.num_stages * (config.block_m + config.block_n) * bk  # the pipelined fp8 A and B tiles
-  if smem > MAX_SHARED_MEMORY_BYTES:
-    problems.append(
-        f"num_stages={config.num_stages} x (block_m + block_n) x block_k = {smem} bytes of pipelined FP8 tiles, more "
-        f"than the {MAX_SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block can have: use fewer stages")
   return problems
 
 

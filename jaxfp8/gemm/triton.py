@@ -125,10 +125,14 @@ def get_config(
 
 
 def entry_config(entry: Mapping[str, Any] | None, block_size: tuple[int, int]) -> TritonGemmConfig | None:
-  """The config of a table entry, or None for no entry or one whose config cannot run with block_size."""
+  """The config of a table entry, or None for no entry or one whose config cannot run with block_size (or cannot
+  build a kernel at all: the config refuses itself)."""
   if entry is None:
     return None
-  config = TritonGemmConfig.from_dict(entry["config"])
+  try:
+    config = TritonGemmConfig.from_dict(entry["config"])
+  except ValueError:
+    return None
   return None if config_problems(config, block_size) else config
 
 

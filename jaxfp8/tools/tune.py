@@ -90,6 +90,14 @@ flags.mark_flag_as_required("out", flag_values=FLAGS)
 
 # ---- the candidates --------------------------------------------------------------------------------------------------
 
+def _buildable(fields: dict) -> TritonGemmConfig | None:
+  """The config of `fields`, or None where it cannot build a kernel (it refuses itself)."""
+  try:
+    return TritonGemmConfig(**fields)
+  except ValueError:
+    return None
+
+
 def search_space(m: int, heuristic: TritonGemmConfig) -> dict[str, tuple]:
   """The values of each axis for M: the regime's SEARCH_SPACE plus the heuristic's value, sorted. Decode row tiles
   stop at M rounded up to a power of two (at least 16): taller ones only compute zero rows."""
@@ -113,8 +121,9 @@ def candidate_space(m: int, n: int, k: int, block_size: tuple[int, int], *,
   def distance(config: TritonGemmConfig) -> int:
     return sum(abs(values.index(getattr(config, axis)) - home[axis]) for axis, values in space.items())
 
-  configs = sorted((TritonGemmConfig(**dict(zip(space, values))) for values in itertools.product(*space.values())),
-                   key=distance)
+  buildable = (config for values in itertools.product(*space.values())
+               if (config := _buildable(dict(zip(space, values)))) is not None)
+  configs = sorted(buildable, key=distance)
   seen, out = set(), []
   for config in configs:
     launched = dataclasses.replace(config, split_k=split_k_steps(k, config)[1])
