@@ -108,18 +108,9 @@ phases=("$@"); [[ ${#phases[@]} -eq 0 || ${phases[0]} == all ]] && \
   phases=(tests-quant tests-gemm tests-linear bench)
 for phase in "${phases[@]}"; do
   case $phase in
-    tests-all)
-      workers=${TEST_WORKERS:-4}
-      start_bg tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
-        -n "$workers" "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml"
-      start_bg tests_quant_linear python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py tests/test_linear.py \
-        tests/test_weights.py tests/test_nn.py tests/test_sharding.py tests/test_extremes.py tests/test_edges.py \
-        tests/test_transforms.py tests/test_grad.py tests/test_examples.py -n "$((workers + 2))" \
-        "${parallel_args[@]}" --junitxml="$out/tests_quant_linear.junit.xml"
-      wait_bg ;;
-    tests-suite)
-      # The whole suite on the GPU in three xdist groups at once: the GEMM files' GPU tests, the quantizer/linear
-      # group (every test), and the grouped/MoE group (the GPU tests of the kernel files, every MoE test).
+    tests-all|tests-suite)
+      # tests-all: the GEMM files' GPU tests beside the quantizer/linear group; tests-suite adds a third group at
+      # once, the grouped/MoE files (the GPU tests of the kernel files, every MoE test).
       workers=${TEST_WORKERS:-4}
       start_bg tests_gemm python3 -m pytest tests/test_gemm.py tests/test_gemm_mosaic.py -m "gpu or hopper" \
         -n "$workers" "${parallel_args[@]}" --junitxml="$out/tests_gemm.junit.xml"
@@ -127,9 +118,11 @@ for phase in "${phases[@]}"; do
         tests/test_weights.py tests/test_nn.py tests/test_sharding.py tests/test_extremes.py tests/test_edges.py \
         tests/test_transforms.py tests/test_grad.py tests/test_examples.py tests/test_validation.py \
         -n "$((workers + 2))" "${parallel_args[@]}" --junitxml="$out/tests_quant_linear.junit.xml"
-      start_bg tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py $(ls tests/test_adversarial.py 2>/dev/null) \
-        tests/test_grouped.py tests/test_gather_rows.py -m "not slow" -n 3 "${parallel_args[@]}" \
-        --junitxml="$out/tests_moe.junit.xml"
+      if [[ $phase == tests-suite ]]; then
+        start_bg tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py tests/test_adversarial.py \
+          tests/test_grouped.py tests/test_gather_rows.py -m "not slow" -n 3 "${parallel_args[@]}" \
+          --junitxml="$out/tests_moe.junit.xml"
+      fi
       wait_bg ;;
     tests-quant) run tests_quant python3 -m pytest tests/test_quant.py tests/test_quant_mosaic.py "${pytest_args[@]}" \
                    --junitxml="$out/tests_quant.junit.xml" ;;

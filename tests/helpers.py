@@ -3,8 +3,14 @@ random problems in the layouts the library takes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -132,3 +138,36 @@ def lowered_ops(text: str) -> dict[str, set[str]]:
     for element in set(re.findall(r"x(f8E4M3FN|bf16|f16|f32)>", line)):
       found.setdefault(element, set()).add(op.group(1))
   return found
+
+
+@contextlib.contextmanager
+def count_compilations():
+  """Records the name of every XLA compilation in the block (jax.monitoring)."""
+  names: list[str] = []
+
+  def listener(event, duration, **kwargs):
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(str(kwargs.get("fun_name")))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def rerun_on_cpu_devices(test_file: str, inner_variable: str, devices: int, *extra: str, timeout: int = 900) -> str:
+  """Runs `test_file`'s tests again in a pytest subprocess on `devices` CPU devices (JAX_PLATFORMS=cpu, also on a GPU
+  machine), with `inner_variable` set so that the re-run skips this step; returns its output after asserting it
+  passed. extra: more pytest arguments (e.g. -k)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **{inner_variable: "1"})
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+  path = pathlib.Path(test_file).resolve()
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+       "-W", "ignore::DeprecationWarning", *extra],
+      cwd=path.parent.parent, env=env, capture_output=True, text=True, timeout=timeout)
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, output[-6000:]
+  return output

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -375,14 +372,7 @@ needs_8 = pytest.mark.skipif(len(jax.devices()) < DEVICES, reason="needs 8 devic
 def test_shard_map_tests_on_8_cpu_devices():
   if os.environ.get(_INNER) or len(jax.devices()) >= DEVICES:
     pytest.skip("already the 8-device process")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **{_INNER: "1"})
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider", "-p",
-       "no:xdist", "-k", "under_shard_map", "-W", "ignore::DeprecationWarning"],
-      cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=900)
-  output = result.stdout + result.stderr
-  assert result.returncode == 0, output[-6000:]
+  output = helpers.rerun_on_cpu_devices(__file__, _INNER, DEVICES, "-k", "under_shard_map")
   passed = re.search(r"(\d+) passed", output)
   assert passed and int(passed.group(1)) == len(SHARD_MAP_OPS) * 4 + 2, output[-3000:]
 

@@ -9,7 +9,6 @@ kernels. GPU tests (marked) run the real kernels at shapes.json sizes.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import re
 
@@ -505,22 +504,6 @@ def test_lowered_triton_program_has_no_activation_copies(m, n, k):
 
 # ---- eager calls: row buckets and the executable cache --------------------------------------------------------------
 
-@contextlib.contextmanager
-def count_compilations():
-  """Records the name of every XLA compilation in the block (jax.monitoring)."""
-  names: list[str] = []
-
-  def listener(event, duration, **kwargs):
-    del duration
-    if event == "/jax/core/compile/backend_compile_duration":
-      names.append(str(kwargs.get("fun_name")))
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield names
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
 
 @pytest.mark.skipif(ON_GPU, reason="platform-independent cache logic; its ~600 tiny glue compilations take a minute "
                                    "on a GPU")
@@ -532,7 +515,7 @@ def test_eager_m_1_to_300_compiles_one_executable_per_bucket(rng):
   buckets = linear.get_row_buckets().buckets_for(range(1, 301))
   assert buckets == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
   outs = {}
-  with count_compilations() as compiled:
+  with helpers.count_compilations() as compiled:
     for m, x in enumerate(xs, start=1):
       outs[m] = w8a8_block_fp8_linear(x, w_q, w_s, (128, 128))
   linear_compiles = [name for name in compiled if "jaxfp8_linear_bucket" in name]
@@ -556,7 +539,7 @@ def test_numpy_inputs_are_padded_on_the_host(rng):
   # a bucket size (M = 1, 2, 4, 8, 16, 32 compile nothing but their bucket's executable).
   w_q, w_s = (jnp.asarray(a) for a in make_weight(rng, 64, 128))
   x_host = np.asarray(make_x(rng, (40, 128), F32))
-  with count_compilations() as compiled:
+  with helpers.count_compilations() as compiled:
     for m in range(1, 41):
       out = w8a8_block_fp8_linear(x_host[:m], w_q, w_s, (128, 128))
       assert out.shape == (m, 64)
@@ -575,7 +558,7 @@ def test_cpu_row_counts_compile_their_glue_from_the_second_call(rng):
   linear.cache_clear()
   outs, compiled = [], []
   for _ in range(3):
-    with count_compilations() as names:
+    with helpers.count_compilations() as names:
       outs.append(np.asarray(w8a8_block_fp8_linear(x, w_q, w_s, (128, 128))))
     compiled.append(sorted(names))
   assert compiled == [["jit(jaxfp8_linear_bucket)"], ["jit(_rows_from_bucket_jit)", "jit(_rows_to_bucket_jit)"], []]
@@ -591,7 +574,7 @@ def test_cache_clear_drops_the_glue_too(rng):
   x_host = np.asarray(make_x(rng, (3, 128), F32))
   w8a8_block_fp8_linear(x_host, w_q, w_s, (128, 128))
   linear.cache_clear()
-  with count_compilations() as compiled:
+  with helpers.count_compilations() as compiled:
     w8a8_block_fp8_linear(x_host, w_q, w_s, (128, 128))
   glue = [] if jax.default_backend() == "cpu" else ["jit(_rows_from_bucket_jit)"]
   assert sorted(compiled) == sorted(glue + ["jit(jaxfp8_linear_bucket)"]), compiled
@@ -607,12 +590,12 @@ def test_outer_jit_adds_no_compilations(rng):
     return w8a8_block_fp8_linear(h, w2, s2, (128, 128))
 
   x = make_x(rng, (2, 7, 128), BF16)
-  with count_compilations() as compiled:
+  with helpers.count_compilations() as compiled:
     first = mlp(x)
     again = mlp(x)
   assert compiled == ["jit(mlp)"], compiled
   x_short = x[:, :3]
-  with count_compilations() as compiled:
+  with helpers.count_compilations() as compiled:
     mlp(x_short)
   assert compiled == ["jit(mlp)"], compiled
   assert linear.cache_info()[:3] == (0, 0, 0)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
 
@@ -492,21 +491,6 @@ def test_plans_for_a_named_device():
 
 # ---------------------------------------------------------------------------------- eager and jit: one computation
 
-@contextlib.contextmanager
-def _compilations():
-  names: list[str] = []
-
-  def listener(event, duration, **kwargs):
-    del duration
-    if event == "/jax/core/compile/backend_compile_duration":
-      names.append(str(kwargs.get("fun_name")))
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield names
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3"])
 def test_eager_and_jitted_block_are_one_computation(rng, family):
@@ -521,10 +505,10 @@ def test_eager_and_jitted_block_are_one_computation(rng, family):
   for n in range(2):
     lead = (int(rng.integers(1, 3)), 7 + 4 * n)  # a new token count each time
     x = jnp.asarray(rng.standard_normal((*lead, 256)), jnp.bfloat16)
-    with _compilations() as compiled:
+    with helpers.count_compilations() as compiled:
       eager = np.asarray(layer(x), np.float32)
     assert compiled == ["jit(_block)"], compiled
-    with _compilations() as compiled:
+    with helpers.count_compilations() as compiled:
       np.testing.assert_array_equal(np.asarray(layer(x), np.float32), eager)
     assert not compiled, compiled
     for jitted in (nnx.jit(lambda m, x: m(x))(layer, x), jax.jit(lambda m, x: m(x))(layer, x),

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import helpers
 from jaxfp8 import gemm, linear
 from jaxfp8 import reference as ref
 
@@ -31,15 +29,7 @@ needs_8 = pytest.mark.skipif(len(jax.devices()) < DEVICES, reason="needs 8 devic
 def test_sharding_suite_on_8_cpu_devices():
   if os.environ.get(_INNER) or len(jax.devices()) >= DEVICES:
     pytest.skip("already the 8-device process")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **{_INNER: "1"})
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}").strip()
-  root = Path(__file__).resolve().parent.parent
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-       "-rs", "-W", "ignore::DeprecationWarning"],
-      cwd=root, env=env, capture_output=True, text=True, timeout=600)
-  output = result.stdout + result.stderr
-  assert result.returncode == 0, output[-6000:]
+  output = helpers.rerun_on_cpu_devices(__file__, _INNER, DEVICES, "-rs", timeout=600)
   passed = re.search(r"(\d+) passed", output)
   # Every 8-device test ran (only the Flax one may skip, where Flax is not installed).
   assert passed and int(passed.group(1)) >= 8, output[-3000:]
