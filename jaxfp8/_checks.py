@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfp8 import _platform
+
 # The floating dtypes activations, weights and outputs may have.
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -63,6 +65,13 @@ def one_of(name: str, value, choices: tuple, *, none: bool = True):
   if (value is None and none) or (value is not None and value in choices):
     return value
   raise ValueError(f"{name} must be one of {choices}{' or None' if none else ''}, got {value!r}")
+
+
+def device(value):
+  """A planner's device: None (the device programs are built for here) or a `jaxfp8._platform.Device`."""
+  if value is not None and not isinstance(value, _platform.Device):
+    raise TypeError(f"device must be a jaxfp8._platform.Device or None, got {type(value).__name__}")
+  return value
 
 
 def block_size(value) -> tuple[int, int]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import jax
 from jax import custom_batching
+# JAX has no public test of a tracer's kind (_forward_tangent): its own classes, the same in JAX 0.11 and 0.12.
+from jax._src.interpreters import ad, partial_eval
 
 
 class TransformError(TypeError):
@@ -57,7 +59,6 @@ def _forward_tangent(value) -> bool:
   partial-evaluation JaxprTracers; `jax.jvp` gives a JVPTracer with any other tangent. A forward-mode tracer under
   a reverse-mode one (`jax.hessian`, a jvp of a gradient) is a second derivative: left to the gradient's own
   refusal."""
-  from jax._src.interpreters import ad, partial_eval  # pylint: disable=import-outside-toplevel
   while isinstance(value, jax.core.Tracer):
     if isinstance(value, ad.JVPTracer) and not isinstance(value.tangent, partial_eval.JaxprTracer):
       return True

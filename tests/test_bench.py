@@ -380,7 +380,8 @@ def test_plots_keep_one_colour_per_implementation_and_name_their_file(tmp_path):
 
 # ---- the benchmarks/ folder ------------------------------------------------------------------------------------------
 
-# A round or session ("s11", "round2", "session 3"), a date, or an event of the project's history in a file's name.
+# A file name that says when its result was made (a round's or a run's number, a date, a before/after) instead of
+# what it is.
 _HISTORY_NAME = re.compile(r"(^|[_.-])(s\d+|round\d*|session\d*|call\d+|\d{4}-\d\d-\d\d|\d{8}|before|after|"
                            r"restructure|old|new|tmp|wip)([_.-]|$)")
 

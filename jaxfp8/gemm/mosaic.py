@@ -6,8 +6,8 @@ the kernel file: the kernel (`pallas_kernels/gemm_mosaic.py`) builds any config 
 
 from __future__ import annotations
 
-import importlib
 import dataclasses
+import importlib
 from typing import TYPE_CHECKING
 
 import jax
@@ -259,11 +259,12 @@ def launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, problem, config, interpr
   `LiveRowSchedules`, of which the count selects one."""
   if not isinstance(config, LiveRowSchedules):
     return launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret, device, live_rows=valid_rows)
-  count = jnp.clip(jnp.asarray(valid_rows).astype(jnp.int32), 0, problem.m)
+  # A count below 0 or past the bucket selects the first or the last schedule; the kernel clips it.
   bounds = jnp.asarray([rows for rows, _ in config.schedules[:-1]], jnp.int32)
   branches = [lambda a_q, b_q, a_s, b_s, bias, count, c=c: launch(a_q, b_q, a_s, b_s, bias, problem, c, interpret,
                                                                   device, live_rows=count)
               for _, c in config.schedules]
   if len(branches) == 1:
-    return branches[0](a_q, b_q, a_s, b_s, bias, count)
-  return jax.lax.switch(jnp.searchsorted(bounds, count, side="left"), branches, a_q, b_q, a_s, b_s, bias, count)
+    return branches[0](a_q, b_q, a_s, b_s, bias, valid_rows)
+  return jax.lax.switch(jnp.searchsorted(bounds, valid_rows, side="left"), branches, a_q, b_q, a_s, b_s, bias,
+                        valid_rows)

@@ -11,9 +11,9 @@ product of the two scales is never formed as a float32 number, which overflows (
 underflows where P_g * a_s * b_s does not: `scale_products` multiplies P_g by the product of the scales'
 mantissas, then by their power of two in two halves of one sign, so that a term leaves float32's range only where
 its exact value does (docs/CONTRACT.md §2). A call whose scale products are all normal float32 numbers (the usual
-case) takes the plain P_g * (a_s * b_s) instead, which is then the same number. The products of fp8 codes are exact in float32 and each group sums at most gk of them; with
-power-of-two scales and small integer codes (the exactness check) every partial sum is exact, so the result is
-bit-exact. `Precision.HIGHEST` matters on GPUs, where XLA's default float32 dot may run in TF32.
+case) takes the plain P_g * (a_s * b_s) instead, which is then the same number. The products of fp8 codes are exact
+in float32 and each group sums at most gk of them; with power-of-two scales and small integer codes (the exactness
+check) every partial sum is exact, so the result is bit-exact. `Precision.HIGHEST` matters on GPUs, where XLA's default float32 dot may run in TF32.
 
 Also the backend interface the planner asks (`unavailable`, `unsupported`, `default_config_for`, `launch`).
 """

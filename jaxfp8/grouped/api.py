@@ -111,10 +111,8 @@ def _problem(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, o
 
 
 def _plan(p: planner.GroupedProblem, implementation, config, interpret, device) -> planner.GroupedPlan:
-  if device is not None and not isinstance(device, _platform.Device):
-    raise TypeError(f"device must be a jaxfp8._platform.Device or None, got {type(device).__name__}")
   return planner.plan(p, implementation=implementation, config=config, interpret=_checks.interpret(interpret),
-                      device=device)
+                      device=_checks.device(device))
 
 
 def _validate(layout, a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major, out_dtype):

@@ -105,7 +105,8 @@ def masked_block_fp8_matmul_xla(a_q, b_q, a_s, b_s, masked_m, *, block_size, a_s
   a_scales = jnp.swapaxes(a_s[:, :, :rows], 1, 2) if a_s_column_major else a_s
   experts = jnp.arange(num_groups, dtype=jnp.int32)
   out = _grouped_rows(a_q, a_scales.astype(jnp.float32), b_q, b_s, experts, jnp.zeros_like(experts),
-                      jnp.clip(masked_m.astype(jnp.int32), 0, rows), block_size=block_size, tile=tile, operands=(a_q, b_q, a_s, b_s, masked_m))
+                      jnp.clip(masked_m.astype(jnp.int32), 0, rows), block_size=block_size, tile=tile,
+                      operands=(a_q, b_q, a_s, b_s, masked_m))
   return out.astype(out_dtype)
 
 

@@ -147,8 +147,9 @@ def _plan(m, n, k, block_size, out_dtype, x_dtype, options, has_bias, device, ma
   quant_implementation, quant_reason = quant.planner.for_gemm(implementation, device, interpret,
                                                               options.quant_implementation)
   quant_plan = quant.plan(
-      quant.problem(1, m, k, x_dtype, group_size=block_size[1], eps=quant.planner.DEFAULT_EPS, row_alignment=alignment,
-                    scale_layout="col" if column_major else "row", scale_tma_aligned=column_major),
+      quant.problem(1, m, k, x_dtype, group_size=block_size[1], eps=quant.planner.DEFAULT_EPS,
+                    row_alignment=alignment, scale_layout="col" if column_major else "row",
+                    scale_tma_aligned=column_major),
       implementation=quant_implementation, interpret=interpret, device=device, reason=quant_reason,
       option="quant_implementation")
   return LinearPlan(m, n, k, tuple(block_size), out_dtype.name, alignment, row_reason, quant_plan, gemm_plan, options)

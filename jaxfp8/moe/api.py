@@ -102,8 +102,7 @@ def _scale_shape(w, block_size) -> tuple[int, ...]:
 
 def _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device=None):
   options = planner.MoeOptions(implementation, quant_implementation, interpret)
-  if device is not None and not isinstance(device, _platform.Device):
-    raise TypeError(f"device must be a jaxfp8._platform.Device or None, got {type(device).__name__}")
+  device = _checks.device(device)
   tokens = math.prod(x.shape[:-1])
   return planner.plan(tokens, topk_ids.shape[-1], w13_q.shape[0], x.shape[-1], w2_q.shape[2], block_size, x.dtype,
                       options, device=device)

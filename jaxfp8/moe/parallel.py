@@ -3,10 +3,10 @@
 
 Every device holds T/P tokens and E/P experts. It quantizes its tokens once, writes each routed row (codes and scales)
 into a send buffer slot of the device that holds the row's expert, and one all-to-all delivers them; each device then
-runs its experts on the rows it received (the single-device layer's `layer.experts_on_rows`), a second all-to-all returns
-the float32 results, and each device combines its tokens' slots. The buffers have room for every routed row of a
-device toward every peer, so no row is ever dropped (a capacity limit would be a silent wrong answer); their size,
-P x (T/P x k) rows per device, is the price.
+runs its experts on the rows it received (the single-device layer's `layer.experts_on_rows`), a second all-to-all
+returns the float32 results, and each device combines its tokens' slots. The buffers have room for every routed row
+of a device toward every peer, so no row is ever dropped (a capacity limit would be a silent wrong answer); their
+size, P x (T/P x k) rows per device, is the price.
 """
 
 from __future__ import annotations
