@@ -339,8 +339,12 @@ def per_token_group_quant(
     fuse_silu_and_mul: bool,
     config: QuantMosaicConfig,
     interpret: bool = False,
+    pad_rows_written: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
   """q (E, out_rows, K) float8_e4m3fn and scales in `scale_layout`; see the module docstring.
+
+  pad_rows_written=False: a CTA whose rows are all pad rows writes nothing, so pad rows past the last live block are
+  left unwritten (their codes and scales are unspecified); a caller that never reads them pays for live rows only.
 
   The caller validates the arguments (`problems` says what this kernel cannot do) and chooses the config.
   """
@@ -383,7 +387,7 @@ def per_token_group_quant(
 
   body = functools.partial(
       _kernel_body, plan=plan, eps=float(eps), scale_layout=scale_layout, ue8m0=bool(scale_ue8m0),
-      fuse=fuse, has_q=has_q, interpret=interpret,
+      fuse=fuse, has_q=has_q, interpret=interpret, pad_rows_written=pad_rows_written,
   )
   grid, grid_names = _grid(plan, experts)
   kernel = plgpu.kernel(
@@ -419,7 +423,7 @@ def _store_to_gmem(ref, value) -> None:
 
 
 def _kernel_body(
-    x_gmem, valid_gmem, *refs, plan: _Plan, eps, scale_layout, ue8m0, fuse, has_q, interpret
+    x_gmem, valid_gmem, *refs, plan: _Plan, eps, scale_layout, ue8m0, fuse, has_q, interpret, pad_rows_written
 ):
   refs = list(refs)
   q_gmem = refs.pop(0) if has_q else None
@@ -452,115 +456,121 @@ def _kernel_body(
   # With no live row there is nothing to read: the block is all pad rows.
   any_live = row0 < num_valid
 
-  def group_start(step):
-    return _group_block_start(plan, split, step)
+  def work():
+    def group_start(step):
+      return _group_block_start(plan, split, step)
 
-  def issue_loads(step, slot):
-    g0 = group_start(step)
-    load_rows = pl.ds(row0, plan.load_rows)
-    plgpu.copy_gmem_to_smem(x_gmem.at[expert, load_rows, pl.ds(g0, gpb)], x_smem.at[slot], x_barrier.at[slot])
-    if fuse:
-      plgpu.copy_gmem_to_smem(
-          x_gmem.at[expert, load_rows, pl.ds(plan.groups + g0, gpb)], up_smem.at[slot], up_barrier.at[slot]
-      )
+    def issue_loads(step, slot):
+      g0 = group_start(step)
+      load_rows = pl.ds(row0, plan.load_rows)
+      plgpu.copy_gmem_to_smem(x_gmem.at[expert, load_rows, pl.ds(g0, gpb)], x_smem.at[slot], x_barrier.at[slot])
+      if fuse:
+        plgpu.copy_gmem_to_smem(
+            x_gmem.at[expert, load_rows, pl.ds(plan.groups + g0, gpb)], up_smem.at[slot], up_barrier.at[slot]
+        )
 
-  if plan.rows_in > 0:
-    @pl.when(any_live)
-    def _prologue():
-      for stage in range(plan.num_stages):
-        issue_loads(stage, stage)
-
-  # Row liveness is the same for every group block of this CTA.
-  live = plgpu.broadcasted_iota(jnp.int32, outer, 0, layout=reduced_pl) + row0 < num_valid
-  live_full = plgpu.layout_cast(lax.broadcast_in_dim(live, outer + (g,), (0, 1)), layout_pl)
-  if packed:
-    byte_ids = plgpu.broadcasted_iota(jnp.int32, outer, 1, layout=reduced_pl)
-
-  def quantize(x_ref, up_ref, q_ref):
-    """Quantizes one sub-block from SMEM into q_ref (SMEM); returns its scales (pad rows: 1.0)."""
-    x = plgpu.load(x_ref, layout=layout_pl)
-    if fuse:
-      x = _silu_and_mul(x, plgpu.load(up_ref, layout=layout_pl))
-    # Zero pad rows first: their (possibly stale or non-finite) data must not reach q.
-    x = jnp.where(live_full, x, jnp.zeros((), x.dtype))
-    # |x| and max are exact in the input dtype, and f32(max|x|) == max|f32(x)|.
-    amax = jnp.max(jnp.abs(x), axis=-1).astype(jnp.float32)
-    amax = jnp.maximum(amax, jnp.float32(eps))  # NaN-propagating max
-    scale = amax * R
-    if ue8m0:
-      scale = _ue8m0_round_up(scale)
-    scale_full = plgpu.layout_cast(lax.broadcast_in_dim(scale, outer + (g,), (0, 1)), layout_pl)
-    if interpret:  # XLA executes the body: its `/` by a broadcast becomes a reciprocal multiply
-      v = exact_division.divide_correctly_rounded(x.astype(jnp.float32), scale_full)
-    else:
-      v = x.astype(jnp.float32) / scale_full  # IEEE division (div.rn.f32), not a reciprocal multiply
-    if interpret or not _SATFINITE_CAST:
-      v = jnp.clip(v, -FP8_MAX, FP8_MAX)
-    codes = v.astype(FP8)
-    # Unoptimized, as JAX 0.11 stores every such array: some layouts have no bank-conflict-free plan, which JAX 0.12
-    # refuses to lower (4-byte inputs; 2-byte inputs with G = 16 or 48 in the 4-group sub-blocks of "col_packed").
-    store_unoptimized(q_ref, codes)
-    return jnp.where(live, scale, jnp.float32(1.0))
-
-  def step_body(step, carry):
-    slot = lax.rem(step, plan.num_stages)
-    q_slot = lax.rem(step, plan.num_q_buffers)
-    g0 = group_start(step)
     if plan.rows_in > 0:
       @pl.when(any_live)
-      def _wait():
-        plgpu.barrier_wait(x_barrier.at[slot])
-        if fuse:
-          plgpu.barrier_wait(up_barrier.at[slot])
+      def _prologue():
+        for stage in range(plan.num_stages):
+          issue_loads(stage, stage)
 
-    # The TMA store that last read this q buffer must be done reading it. (Mosaic GPU follows the
-    # issuing thread's wait with a warpgroup barrier, so no thread writes the buffer before.)
-    plgpu.wait_smem_to_gmem(plan.num_q_buffers - 1, wait_read_only=True)
-    for sub in range(num_sub_blocks):
-      groups = pl.ds(sub * sub_groups, sub_groups)
-      block_rows = pl.ds(0, bm)
-      scale = quantize(
-          x_smem.at[slot, block_rows, groups], up_smem.at[slot, block_rows, groups] if fuse else None,
-          q_smem.at[q_slot, :, groups],
-      )
-      if scale_layout == "row":
-        _store_to_gmem(s_gmem.at[expert, rows, pl.ds(g0, gpb)], scale)
-      elif scale_layout == "col":
-        _store_to_gmem(s_gmem.at[expert, pl.ds(g0, gpb), rows].T, scale)
+    # Row liveness is the same for every group block of this CTA.
+    live = plgpu.broadcasted_iota(jnp.int32, outer, 0, layout=reduced_pl) + row0 < num_valid
+    live_full = plgpu.layout_cast(lax.broadcast_in_dim(live, outer + (g,), (0, 1)), layout_pl)
+    if packed:
+      byte_ids = plgpu.broadcasted_iota(jnp.int32, outer, 1, layout=reduced_pl)
+
+    def quantize(x_ref, up_ref, q_ref):
+      """Quantizes one sub-block from SMEM into q_ref (SMEM); returns its scales (pad rows: 1.0)."""
+      x = plgpu.load(x_ref, layout=layout_pl)
+      if fuse:
+        x = _silu_and_mul(x, plgpu.load(up_ref, layout=layout_pl))
+      # Zero pad rows first: their (possibly stale or non-finite) data must not reach q.
+      x = jnp.where(live_full, x, jnp.zeros((), x.dtype))
+      # |x| and max are exact in the input dtype, and f32(max|x|) == max|f32(x)|.
+      amax = jnp.max(jnp.abs(x), axis=-1).astype(jnp.float32)
+      amax = jnp.maximum(amax, jnp.float32(eps))  # NaN-propagating max
+      scale = amax * R
+      if ue8m0:
+        scale = _ue8m0_round_up(scale)
+      scale_full = plgpu.layout_cast(lax.broadcast_in_dim(scale, outer + (g,), (0, 1)), layout_pl)
+      if interpret:  # XLA executes the body: its `/` by a broadcast becomes a reciprocal multiply
+        v = exact_division.divide_correctly_rounded(x.astype(jnp.float32), scale_full)
       else:
-        exponent = (lax.bitcast_convert_type(scale, jnp.int32) >> 23) & jnp.int32(0xFF)
-        # Bytes of groups past K/G (only in the last word) are 0.
-        exponent = jnp.where(byte_ids + g0 + sub * 4 < plan.groups, exponent, jnp.int32(0))
-        word = jnp.sum(lax.shift_left(exponent, byte_ids * 8), axis=1)
-        _store_to_gmem(s_gmem.at[expert, lax.div(g0, 4) + sub, rows], word)
+        v = x.astype(jnp.float32) / scale_full  # IEEE division (div.rn.f32), not a reciprocal multiply
+      if interpret or not _SATFINITE_CAST:
+        v = jnp.clip(v, -FP8_MAX, FP8_MAX)
+      codes = v.astype(FP8)
+      # Unoptimized, as JAX 0.11 stores every such array: some layouts have no bank-conflict-free plan, which JAX 0.12
+      # refuses to lower (4-byte inputs; 2-byte inputs with G = 16 or 48 in the 4-group sub-blocks of "col_packed").
+      store_unoptimized(q_ref, codes)
+      return jnp.where(live, scale, jnp.float32(1.0))
 
-    if has_q:
-      plgpu.commit_smem()
-      # At most one store (one bulk async group) per step, of a box inside q (see _q_store_groups).
-      has_q_rows = row_block < plan.num_q_row_blocks  # blocks of scale-only pad columns have no q rows
-      q_groups = _q_store_groups(plan)
-      whole_block = has_q_rows if q_groups == gpb else has_q_rows & (g0 + gpb <= plan.groups)
+    def step_body(step, carry):
+      slot = lax.rem(step, plan.num_stages)
+      q_slot = lax.rem(step, plan.num_q_buffers)
+      g0 = group_start(step)
+      if plan.rows_in > 0:
+        @pl.when(any_live)
+        def _wait():
+          plgpu.barrier_wait(x_barrier.at[slot])
+          if fuse:
+            plgpu.barrier_wait(up_barrier.at[slot])
 
-      @pl.when(whole_block)
-      def _store_q():
-        plgpu.copy_smem_to_gmem(q_smem.at[q_slot], q_gmem.at[expert, rows, pl.ds(g0, gpb)])
+      # The TMA store that last read this q buffer must be done reading it. (Mosaic GPU follows the
+      # issuing thread's wait with a warpgroup barrier, so no thread writes the buffer before.)
+      plgpu.wait_smem_to_gmem(plan.num_q_buffers - 1, wait_read_only=True)
+      for sub in range(num_sub_blocks):
+        groups = pl.ds(sub * sub_groups, sub_groups)
+        block_rows = pl.ds(0, bm)
+        scale = quantize(
+            x_smem.at[slot, block_rows, groups], up_smem.at[slot, block_rows, groups] if fuse else None,
+            q_smem.at[q_slot, :, groups],
+        )
+        if scale_layout == "row":
+          _store_to_gmem(s_gmem.at[expert, rows, pl.ds(g0, gpb)], scale)
+        elif scale_layout == "col":
+          _store_to_gmem(s_gmem.at[expert, pl.ds(g0, gpb), rows].T, scale)
+        else:
+          exponent = (lax.bitcast_convert_type(scale, jnp.int32) >> 23) & jnp.int32(0xFF)
+          # Bytes of groups past K/G (only in the last word) are 0.
+          exponent = jnp.where(byte_ids + g0 + sub * 4 < plan.groups, exponent, jnp.int32(0))
+          word = jnp.sum(lax.shift_left(exponent, byte_ids * 8), axis=1)
+          _store_to_gmem(s_gmem.at[expert, lax.div(g0, 4) + sub, rows], word)
 
-      if q_groups != gpb:
-        @pl.when(has_q_rows & (g0 + gpb > plan.groups))
-        def _store_q_real_groups():
-          plgpu.copy_smem_to_gmem(
-              q_smem.at[q_slot, :, pl.ds(0, q_groups)], q_gmem.at[expert, rows, pl.ds(g0, q_groups)])
+      if has_q:
+        plgpu.commit_smem()
+        # At most one store (one bulk async group) per step, of a box inside q (see _q_store_groups).
+        has_q_rows = row_block < plan.num_q_row_blocks  # blocks of scale-only pad columns have no q rows
+        q_groups = _q_store_groups(plan)
+        whole_block = has_q_rows if q_groups == gpb else has_q_rows & (g0 + gpb <= plan.groups)
 
-    if plan.rows_in > 0:
-      # Every thread has read this input slot: commit_smem and the stores above synchronize the
-      # warpgroup after the last SMEM load.
-      @pl.when(any_live & (step + plan.num_stages < plan.blocks_per_cta))
-      def _refill():
-        issue_loads(step + plan.num_stages, slot)
-    return carry
+        @pl.when(whole_block)
+        def _store_q():
+          plgpu.copy_smem_to_gmem(q_smem.at[q_slot], q_gmem.at[expert, rows, pl.ds(g0, gpb)])
 
-  if plan.blocks_per_cta == 1:
-    step_body(0, None)
-  else:
-    lax.fori_loop(0, plan.blocks_per_cta, step_body, None)
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if q_groups != gpb:
+          @pl.when(has_q_rows & (g0 + gpb > plan.groups))
+          def _store_q_real_groups():
+            plgpu.copy_smem_to_gmem(
+                q_smem.at[q_slot, :, pl.ds(0, q_groups)], q_gmem.at[expert, rows, pl.ds(g0, q_groups)])
+
+      if plan.rows_in > 0:
+        # Every thread has read this input slot: commit_smem and the stores above synchronize the
+        # warpgroup after the last SMEM load.
+        @pl.when(any_live & (step + plan.num_stages < plan.blocks_per_cta))
+        def _refill():
+          issue_loads(step + plan.num_stages, slot)
+      return carry
+
+    if plan.blocks_per_cta == 1:
+      step_body(0, None)
+    else:
+      lax.fori_loop(0, plan.blocks_per_cta, step_body, None)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  if pad_rows_written:
+    work()
+  else:  # a block of pad rows only stores nothing
+    pl.when(any_live)(work)

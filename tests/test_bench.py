@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxfp8.moe import layer as moe_layer
-from jaxfp8.tools import args, bench, bench_gemm, bench_moe, bench_report, bench_valid_rows, cli, timing
+from jaxfp8.tools import args, bench, bench_gemm, bench_grouped, bench_moe, bench_report, bench_valid_rows, cli, timing
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -267,6 +267,23 @@ def test_gemm_config_contenders(monkeypatch):
   monkeypatch.setattr(bench_gemm.gemm, "w8a8_block_fp8_matmul", lambda *a, **kw: calls.append(kw) or a[0])
   bench_gemm.jax_contender(name, (128, 128), config=config)(jnp.zeros((2, 2)), None, None, None)
   assert calls[0]["implementation"] == "triton" and calls[0]["config"] is config
+
+
+def test_grouped_config_contenders_go_to_the_grouped_op(monkeypatch):
+  configs = bench.parse_gemm_configs("mosaic:tile_n=64,persistent=false;masked_mosaic:tile_n=256;triton:block_m=64")
+  names = list(configs)
+  assert names[1] == "masked_mosaic[tile_n=256]" and configs[names[1]].tile_n == 256
+  monkeypatch.setattr(bench, "unavailable", lambda name, on_gpu: None)  # as on a Hopper GPU
+  chosen = bench.select_implementations(["xla"], ["gemm", "grouped"], on_gpu=True, gemm_configs=names)
+  assert chosen["gemm"] == ["xla", names[0], names[2]] and chosen["grouped"] == ["xla", names[0], names[1]]
+  with pytest.raises(args.UsageError, match="none of"):
+    bench.select_implementations(["xla"], ["grouped"], on_gpu=True, gemm_configs=[names[2]])
+  calls = []  # the masked contenders run the masked API with the config; "_live" leaves unowned rows unwritten
+  monkeypatch.setattr(bench_grouped.grouped, "masked_w8a8_block_fp8_matmul", lambda *a, **kw: calls.append(kw) or a[0])
+  for name in (names[1], "masked_mosaic_live"):
+    bench_grouped.contender(name, (128, 128), config=configs.get(name))(jnp.zeros((2, 2)), None, None, None, None)
+  assert calls[0]["config"] is configs[names[1]] and calls[0]["zero_unowned_rows"]
+  assert calls[1]["config"] is None and not calls[1]["zero_unowned_rows"]
 
 
 # ---- the table's arithmetic -----------------------------------------------------------------------------------------

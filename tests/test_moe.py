@@ -125,6 +125,27 @@ def test_qwen3_router_matches_reference(rng, e, top_k, norm):
   _assert_routes(ids, weights, want_ids, want_weights, _margins(probs / probs.sum(-1, keepdims=True), top_k))
 
 
+@pytest.mark.parametrize("shape, k", [((300, 256), 8), ((5, 8, 32), 2), ((7, 8), 4), ((64, 128), 8), ((1, 256), 8),
+                                      ((3, 2), 2)])
+@pytest.mark.parametrize("values", ["normal", "ties", "specials"])
+def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, shape, k, values):
+  from jax import lax
+  from jaxfp8.moe import routing
+  v = rng.standard_normal(shape).astype(np.float32)
+  if values == "ties":
+    v = np.round(v * 2) / 2
+  if values == "specials":
+    flat = v.reshape(-1)
+    where = rng.choice(flat.size, max(1, flat.size // 4), replace=False)
+    flat[where] = rng.choice(np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0], np.float32), where.size)
+  want_v, want_i = lax.top_k(jnp.asarray(v), k)
+  other = rng.standard_normal(shape).astype(np.float32)
+  got_i, got_v, got_other = routing._top_k(jnp.asarray(v), k, jnp.asarray(v), jnp.asarray(other))
+  np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+  assert np.asarray(got_v).tobytes() == np.asarray(want_v).tobytes()
+  assert np.asarray(got_other).tobytes() == np.take_along_axis(other, np.asarray(want_i), -1).tobytes()
+
+
 def test_routers_break_ties_to_the_lower_index():
   logits = jnp.zeros((3, 16), jnp.float32)
   ids, weights = moe.DeepSeekV3Router(top_k=4, n_group=4, topk_group=2)(logits, jnp.zeros(16, jnp.float32))
@@ -339,6 +360,22 @@ def test_dispatch_is_stable_and_puts_outside_ids_last():
   np.testing.assert_array_equal(np.asarray(d.order), [2, 5, 0, 3, 1, 4])  # stable; ids outside [0, 3) last
   np.testing.assert_array_equal(np.asarray(d.order)[np.asarray(d.rank)], np.arange(6))  # rank inverts order
   assert int(d.live) == 4
+
+
+@pytest.mark.parametrize("slots, experts, ids_below", [
+    (1, 4, 4), (8, 32, 256), (300, 8, 8), (moe_layer.PAIRWISE_SLOTS, 128, 130), (moe_layer.PAIRWISE_SLOTS + 1, 16, 20),
+    (5000, 7, 9), (32768, 32, 256)])
+def test_dispatch_is_numpys_stable_argsort(rng, slots, experts, ids_below):
+  # both counting paths (one pairwise count, and blocks with a histogram prefix past PAIRWISE_SLOTS)
+  ids = rng.integers(-3, ids_below, slots).astype(np.int32)
+  ids[rng.random(slots) < 0.1] = rng.integers(0, experts)  # a crowded expert
+  d = jax.jit(moe_layer.dispatch, static_argnums=1)(jnp.asarray(ids), experts)
+  key = np.where((ids >= 0) & (ids < experts), ids, experts)
+  order = np.argsort(key, kind="stable")
+  np.testing.assert_array_equal(np.asarray(d.order), order)
+  np.testing.assert_array_equal(np.asarray(d.rank), np.argsort(order))
+  np.testing.assert_array_equal(np.asarray(d.group_sizes), np.bincount(key, minlength=experts + 1)[:experts])
+  assert int(d.live) == int((key < experts).sum())
 
 
 # ------------------------------------------------------------------------------------------- expert parallelism

@@ -174,6 +174,31 @@ def test_valid_rows_zero_full_and_partial(rng):
            config=Config(block_rows=8, groups_per_block=2))
 
 
+@pytest.mark.parametrize("layout", qm.SCALE_LAYOUTS)
+def test_pad_rows_unwritten_leaves_only_whole_pad_blocks(layout, rng):
+  # 8-row blocks, valid [0, 21, 13, 3] of 21 rows (+3 pad rows, +7 scale-only columns): expert 0's blocks are all pad,
+  # 1 has none past row 21, 2 and 3 end inside a block. Rows of a block holding a live row are what the default
+  # writes, bit for bit; a block of pad rows only is not written (on the GPU the poison stays; interpreted, the
+  # interpreter's NaN fill).
+  x = random_activations(rng, (4, 21, 512), INPUT_DTYPES["bf16"])
+  valid = [0, 21, 13, 3]
+  options = dict(layout=layout, ue8m0=layout == "col_packed", fuse=True, out_rows=24, scale_cols=31,
+                 config=Config(block_rows=8, groups_per_block=2))
+  q_all, s_all = map(np.asarray, _quantize(x, valid, 128, **options))
+  _poison_memory(8 * x.size)
+  q, s = map(np.asarray, _launch(jnp.asarray(x), jnp.asarray(valid, jnp.int32), group_size=128, eps=1e-10,
+                                 out_rows=24, scale_layout=layout, scale_cols=31, scale_ue8m0=layout == "col_packed",
+                                 fuse_silu_and_mul=True, config=options["config"], interpret=not ON_GPU,
+                                 pad_rows_written=False))
+  as_rows = (lambda a: a) if layout == "row" else (lambda a: np.swapaxes(a, -1, -2))
+  for e, live in enumerate(valid):
+    written = -(-live // 8) * 8
+    assert q[e, :written].view(np.uint8).tobytes() == q_all[e, :written].view(np.uint8).tobytes(), (e, layout)
+    assert as_rows(s)[e, :written].tobytes() == as_rows(s_all)[e, :written].tobytes(), (e, layout)
+    if written < 24:  # a whole pad block holds no code the default writes there (0) everywhere
+      assert np.any(q[e, written:].view(np.uint8) != 0), (e, layout, "pad block written")
+
+
 @pytest.mark.parametrize("config", [
     None,  # the default heuristic
     Config(block_rows=2, groups_per_block=1),

@@ -18,6 +18,7 @@ implementation (`MoePlan`); the benchmark times the steps by these names (`STEPS
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -39,15 +40,53 @@ class Dispatch(NamedTuple):
   live: jax.Array         # () int32: rows some expert owns (the sum of group_sizes)
 
 
+# Up to this many slots, each slot's row is one count over every other slot (an (R, R) comparison in one fused
+# reduction); past it, the same count split into blocks of slots plus a per-block histogram of the experts.
+PAIRWISE_SLOTS = 2048
+
+
 def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
   """The slots of slot_ids (any shape, int32 expert ids; an id outside [0, E) belongs to no expert here) sorted by
-  expert, stable, the slots of no expert last."""
+  expert, stable, the slots of no expert last.
+
+  A counting sort, with no sort kernel: a slot's expert-order row is the number of slots that go before it (those of
+  a lower expert, and those of its own expert at a lower slot), counted by comparisons XLA fuses into a few
+  reductions; the order is then one scatter of the rows."""
   ids = slot_ids.reshape(-1).astype(jnp.int32)
+  n = ids.shape[0]
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
-  order = jnp.argsort(key, stable=True).astype(jnp.int32)
-  rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
-  group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
+  buckets = jnp.arange(experts + 1, dtype=jnp.int32)
+  if n <= PAIRWISE_SLOTS:
+    earlier = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & earlier)
+    rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+    sizes = jnp.sum(key[:, None] == buckets, axis=0, dtype=jnp.int32)
+  else:
+    rank, sizes = _blocked_ranks(key, buckets)
+  order = jnp.zeros_like(rank).at[rank].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+  group_sizes = sizes[:experts]
   return Dispatch(order, rank, group_sizes, jnp.sum(group_sizes).astype(jnp.int32))
+
+
+def _blocked_ranks(key: jax.Array, buckets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(rank, slots per bucket) of the stable counting sort of key (n,) into buckets [0, E]: the slots in blocks of
+  about sqrt(n), each slot counted within its block, each block's histogram summed over the blocks before it."""
+  n = key.shape[0]
+  block = max(128, 1 << math.ceil(math.log2(math.sqrt(n))))
+  nb = -(-n // block)
+  # pad slots take the last bucket after every real slot, so they rank past n and change no real rank
+  kb = jnp.concatenate([key, jnp.full((nb * block - n,), buckets.shape[0] - 1, jnp.int32)]).reshape(nb, block)
+  earlier = lax.broadcasted_iota(jnp.int32, (block, block), 1) < lax.broadcasted_iota(jnp.int32, (block, block), 0)
+  within = jnp.sum((kb[:, None, :] == kb[:, :, None]) & earlier, axis=2, dtype=jnp.int32)  # (nb, block)
+  hist = jnp.sum(kb[:, :, None] == buckets, axis=1, dtype=jnp.int32)  # (nb, E + 1)
+  lower_blocks = lax.broadcasted_iota(jnp.int32, (nb, nb), 1) < lax.broadcasted_iota(jnp.int32, (nb, nb), 0)
+  blocks_before = jnp.sum(jnp.where(lower_blocks[:, :, None], hist[None], 0), axis=1)  # (nb, E + 1)
+  sizes = jnp.sum(hist, axis=0) - jnp.zeros_like(buckets).at[-1].set(nb * block - n)
+  e1 = buckets.shape[0]
+  lower = lax.broadcasted_iota(jnp.int32, (e1, e1), 1) < lax.broadcasted_iota(jnp.int32, (e1, e1), 0)
+  offsets = jnp.sum(jnp.where(lower, sizes[None, :], 0), axis=1)  # (E + 1,): slots of lower buckets
+  rank = offsets[kb] + jnp.take_along_axis(blocks_before, kb, axis=1) + within
+  return rank.reshape(-1)[:n], sizes
 
 
 def quantize(x: jax.Array, plan) -> tuple[jax.Array, jax.Array]:
@@ -72,7 +111,7 @@ def gate_up(a_q, a_s, d: Dispatch, w13_q, w13_s, plan) -> jax.Array:
 
 
 def silu_quant(h: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
-  """SiLU(gate) * up of the live rows of h, quantized: codes (R', I) and scales; rows past `live` are pad rows."""
+  """SiLU(gate) * up of the live rows of h, quantized: codes (R', I) and scales; rows past `live` unspecified."""
   h_q, h_s = quant.planner.run(h[None], d.live.reshape(1), plan=plan.quant_h)
   return h_q[0], h_s[0]
 

@@ -16,7 +16,8 @@ from jaxfp8 import _checks, _platform, grouped, quant
 from jaxfp8.moe import permute
 
 LIVE_ROWS_REASON = ("the slots of no local expert sort past the live rows, which the GEMMs neither compute nor store "
-                    "and the SiLU-and-mul quantizer does not read; the combine gathers each token's rows back")
+                    "and the SiLU-and-mul quantizer neither reads nor (past the last live block) writes; the "
+                    "combine gathers each token's rows back")
 COMBINE_REASON = "a gather of each token's k rows through the inverse order, summed in slot order (one pass)"
 LAYOUT_REASON = ("ragged: the rows sorted by expert, one grouped GEMM per projection (the masked layout has not been "
                  "measured faster on a GPU yet)")
@@ -104,7 +105,9 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   layout = dict(scale_layout="col" if column_major else "row", scale_tma_aligned=column_major)
 
   def quant_plan(m, k_in, fused):
-    p = quant.problem(1, m, k_in, x_dtype, group_size=gk, eps=quant.planner.DEFAULT_EPS, fuse_silu_and_mul=fused, **layout)
+    # h's rows past the live ones are never read (the down GEMM neither computes nor stores them)
+    p = quant.problem(1, m, k_in, x_dtype, group_size=gk, eps=quant.planner.DEFAULT_EPS, fuse_silu_and_mul=fused,
+                      pad_rows_written=not fused, **layout)
     return quant.plan(p, implementation=quant_implementation, interpret=interpret, device=device,
                       reason=quant_reason, option="quant_implementation")
 

@@ -16,9 +16,28 @@ from jax import lax
 from jaxfp8 import _checks
 
 
-def _top_k(values: jax.Array, k: int) -> jax.Array:
-  """Indices of the k largest values of the last axis, ties to the lower index (`lax.top_k`'s order)."""
-  return lax.top_k(values, k)[1]
+def _order_keys(values: jax.Array) -> jax.Array:
+  """int32 keys of float32 values in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < inf < +NaN), the order
+  `lax.top_k` ranks floats by."""
+  bits = lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]:
+  """`lax.top_k(values, k)` over the last axis (the k largest, in order, ties to the lower index, NaN by its sign),
+  as (ids, then the chosen entries of each array of `also`, same shape as values). Each entry's rank is the count
+  of entries that beat it, so the whole choice is a few fused compare-and-count reductions over (..., n, n): no
+  sort, and at decode a handful of small kernels where a sort-based top-k launches many."""
+  n = values.shape[-1]
+  key = _order_keys(values)
+  index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)
+  rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # (..., n): 0 for the largest
+  chosen = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # (..., k, n): one True per row
+  pick = lambda a: jnp.sum(jnp.where(chosen, a[..., None, :], 0), axis=-1)  # the one chosen entry, exactly
+  # float entries are picked as their bits: every value comes back as it was (-0.0 and a NaN's sign included)
+  picked = tuple(lax.bitcast_convert_type(pick(lax.bitcast_convert_type(a, jnp.int32)), a.dtype) for a in also)
+  return (pick(jnp.arange(n, dtype=jnp.int32)), *picked)
 
 
 def _token_rows(router: str, logits) -> tuple[tuple[int, ...], int]:
@@ -100,14 +119,13 @@ class DeepSeekV3Router:
     t = scores.shape[0]
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(t, self.n_group, e // self.n_group)
-    group_scores = lax.top_k(grouped, 2)[0].sum(-1)
+    group_scores = _top_k(grouped, 2, grouped)[1].sum(-1)
     # inf + (-inf) (bias entries of both signs) ranks last on every platform, not by the sign of the NaN it makes.
     group_scores = jnp.where(jnp.isnan(group_scores), -jnp.inf, group_scores)
-    allowed = jnp.zeros((t, self.n_group), bool).at[
-        jnp.arange(t)[:, None], _top_k(group_scores, self.topk_group)].set(True)
+    group_ids = _top_k(group_scores, self.topk_group)[0]
+    allowed = jnp.any(group_ids[:, :, None] == jnp.arange(self.n_group, dtype=jnp.int32), axis=1)
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
-    ids = _top_k(masked, self.top_k)
-    weights = jnp.take_along_axis(scores, ids, axis=1)
+    ids, weights = _top_k(masked, self.top_k, scores)
     if self.norm_topk_prob:
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     weights = _nan_tokens_get_nan(choice, weights * jnp.float32(self.routed_scaling_factor))
@@ -143,7 +161,7 @@ class Qwen3MoeRouter:
                        f"shape {tuple(getattr(correction_bias, 'shape', ()))}")
     self.validate(e)
     probs = jax.nn.softmax(logits.reshape(-1, e).astype(jnp.float32), axis=-1)
-    weights, ids = lax.top_k(probs, self.top_k)
+    ids, weights = _top_k(probs, self.top_k, probs)
     if self.norm_topk_prob:
       weights = weights / weights.sum(-1, keepdims=True)
     weights = _nan_tokens_get_nan(probs, weights)

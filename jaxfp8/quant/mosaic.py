@@ -53,4 +53,5 @@ def launch(x3, valid_rows, problem, config, interpret: bool):
   return _kernel().per_token_group_quant(
       x3, valid_rows, group_size=problem.group_size, eps=problem.eps, out_rows=problem.out_rows,
       scale_layout=problem.scale_layout, scale_cols=problem.scale_cols, scale_ue8m0=problem.scale_ue8m0,
-      fuse_silu_and_mul=problem.fuse_silu_and_mul, config=config, interpret=interpret)
+      fuse_silu_and_mul=problem.fuse_silu_and_mul, config=config, interpret=interpret,
+      pad_rows_written=problem.pad_rows_written)

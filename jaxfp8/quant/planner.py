@@ -41,6 +41,9 @@ class QuantProblem:
   scale_cols: int             # columns of the column-major scales (>= out_rows)
   scale_ue8m0: bool = False
   fuse_silu_and_mul: bool = False
+  # False: the rows past valid_rows are unspecified (a caller that never reads them); a backend may leave them
+  # unwritten (the Mosaic kernel skips blocks of pad rows only) or write them as when True (q = 0, scale 1.0).
+  pad_rows_written: bool = True
 
   @property
   def k(self) -> int:
@@ -78,12 +81,12 @@ def for_gemm(gemm_implementation: str, device: _platform.Device, interpret: bool
 
 def problem(batch: int, rows: int, k_in: int, dtype, *, group_size: int, eps: float, row_alignment: int = 1,
             scale_layout: str = "row", scale_tma_aligned: bool = False, scale_ue8m0: bool = False,
-            fuse_silu_and_mul: bool = False) -> QuantProblem:
+            fuse_silu_and_mul: bool = False, pad_rows_written: bool = True) -> QuantProblem:
   """The problem of quantizing x (batch, rows, k_in) with rows padded to a multiple of `row_alignment`."""
   out_rows = _checks.round_up(rows, row_alignment)
   scale_cols = _checks.round_up(out_rows, 4) if scale_tma_aligned else out_rows
   return QuantProblem(batch, rows, k_in, jnp.dtype(dtype).name, group_size, float(eps), out_rows, scale_layout,
-                      scale_cols, bool(scale_ue8m0), bool(fuse_silu_and_mul))
+                      scale_cols, bool(scale_ue8m0), bool(fuse_silu_and_mul), bool(pad_rows_written))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,9 +70,10 @@ args.define_shape_flags(FLAGS, __name__, shapes_default="GPU: DeepSeek-V3 and Qw
                         m_default=f"GPU {','.join(map(str, GPU_MS))}; CPU {','.join(map(str, CPU_MS))}")
 flags.DEFINE_string("k", None, "quant: widths K to quantize, ','-separated, instead of the K of each weight shape "
                     "(e.g. 512,2048,7168,18432 with --m=1,16,64,256,1024,4096,16384).", **_KW)
-flags.DEFINE_string("gemm_configs", None, "gemm: explicit kernel configs to time beside the planner's choice, "
-                    "';'-separated, each 'mosaic:field=value,...' or 'triton:field=value,...' (e.g. "
-                    "'mosaic:tile_m=128,tile_n=256,max_concurrent_steps=4,wg_split=N').", **_KW)
+flags.DEFINE_string("gemm_configs", None, "gemm, grouped: explicit kernel configs to time beside the planner's "
+                    "choice, ';'-separated, each 'mosaic:field=value,...' (both ops), 'triton:...' (gemm) or "
+                    "'masked_mosaic:...' (grouped, the masked layout), e.g. "
+                    "'mosaic:tile_m=128,tile_n=256,max_concurrent_steps=4,wg_split=N'.", **_KW)
 flags.DEFINE_string("expert_shapes", None, "grouped: expert GEMMs, ';'-separated, each a name of "
                     f"{', '.join(name for name, *_ in bench_grouped.DEFAULT_SHAPES)} or E,N,K. Default: all of those "
                     "(CPU: a tiny one).", **_KW)
@@ -102,10 +103,14 @@ flags.DEFINE_string("out", None, "Results JSON to write (a .md table goes beside
 
 # ---- what to run -----------------------------------------------------------------------------------------------------
 
+# the implementations whose kernel configs --gemm_configs times, per op
+CONFIG_IMPLEMENTATIONS = {"gemm": ("mosaic", "triton"), "grouped": ("mosaic", "masked_mosaic")}
+
+
 def unavailable(name: str, on_gpu: bool) -> str | None:
   """Why implementation `name` (or a config of it, 'mosaic[...]') cannot be timed here; None when it can."""
   base = name.split("[")[0]
-  if base in ("mosaic", "masked_mosaic", "pallas_ragged_bf16") and not _platform.is_hopper():
+  if base in ("mosaic", "masked_mosaic", "masked_mosaic_live", "pallas_ragged_bf16") and not _platform.is_hopper():
     return f"{name} needs a Hopper GPU (sm_90)"
   if base == "triton" and not _platform.has_fp8_gpu():
     return f"{name} needs an NVIDIA GPU with FP8 (sm >= 8.9)"
@@ -121,8 +126,8 @@ def runnable_implementations(op: str, on_gpu: bool) -> tuple[str, ...]:
 
 def select_implementations(requested: Sequence[str] | None, ops: Sequence[str], on_gpu: bool,
                            gemm_configs: Sequence[str] = ()) -> dict[str, list[str]]:
-  """Per op, the requested names that op knows (a name may serve several ops), or every runnable one; the gemm op
-  also times every config contender of `gemm_configs`. A requested name no op knows is a UsageError; one that
+  """Per op, the requested names that op knows (a name may serve several ops), or every runnable one; the gemm and
+  grouped ops also time the config contenders of `gemm_configs` that are theirs (CONFIG_IMPLEMENTATIONS). A requested name no op knows is a UsageError; one that
   cannot run here a CommandError."""
   if requested:
     known = {name for op in ops for name in IMPLEMENTATIONS[op]}
@@ -132,8 +137,13 @@ def select_implementations(requested: Sequence[str] | None, ops: Sequence[str], 
     chosen = {op: [name for name in IMPLEMENTATIONS[op] if name in requested] for op in ops}
   else:
     chosen = {op: list(runnable_implementations(op, on_gpu)) for op in ops}
-  if "gemm" in chosen:
-    chosen["gemm"] += list(gemm_configs)
+  for op, bases in CONFIG_IMPLEMENTATIONS.items():
+    if op in chosen:
+      chosen[op] += [name for name in gemm_configs if name.split("[")[0] in bases]
+  if gemm_configs and not any(name in chosen.get(op, ()) for op in ("gemm", "grouped") for name in gemm_configs):
+    raise args.UsageError(f"--gemm_configs: none of {list(gemm_configs)} is a config of the gemm op "
+                          f"({', '.join(CONFIG_IMPLEMENTATIONS['gemm'])}) or the grouped op "
+                          f"({', '.join(CONFIG_IMPLEMENTATIONS['grouped'])}) among --ops")
   asked = [name for op in ops for name in chosen[op] if requested or "[" in name]
   why = sorted({reason for name in asked if (reason := unavailable(name, on_gpu))})
   if why:
@@ -293,7 +303,7 @@ def run_step(s: Setup, op: str, item, ms: Sequence[int] | None, seed: int, log=p
     return bench_linear_grad.run(item, ms, chosen, block_size=s.block_size, seed=seed, **common)
   if op == "grouped":
     return bench_grouped.run([item], {item[0]: ms}, chosen, routings=s.routings, block_size=s.block_size, seed=seed,
-                             **common)
+                             configs=s.gemm_configs, **common)
   if op == "moe":
     return bench_moe.run(item, ms, chosen, seed=seed, **common)
   return bench_valid_rows.run(item, chosen, block_size=s.block_size, seed=seed, **common)
@@ -404,10 +414,12 @@ def _jaxlib_version() -> str | None:
 
 def _problems_from_flags(ops: Sequence[str], ms_by_shape) -> Problems:
   """The op-specific flags, parsed; a flag of an op --ops leaves out is a UsageError (it would have no effect)."""
-  for flag, op in (("k", "quant"), ("gemm_configs", "gemm"), ("expert_shapes", "grouped"), ("routed_rows", "grouped"),
-                   ("moe_layers", "moe"), ("tokens", "moe"), ("valid_rows_cases", "valid_rows")):
-    if getattr(FLAGS, flag) and op not in ops:
-      raise args.UsageError(f"--{flag}: a flag of the {op} op, but --ops has no {op}")
+  for flag, flag_ops in (("k", ("quant",)), ("gemm_configs", ("gemm", "grouped")), ("expert_shapes", ("grouped",)),
+                         ("routed_rows", ("grouped",)), ("moe_layers", ("moe",)), ("tokens", ("moe",)),
+                         ("valid_rows_cases", ("valid_rows",))):
+    if getattr(FLAGS, flag) and not set(flag_ops) & set(ops):
+      raise args.UsageError(f"--{flag}: a flag of the {' and '.join(flag_ops)} op, but --ops has no "
+                            f"{' or '.join(flag_ops)}")
   routings = [r.strip() for r in FLAGS.routing]
   if any(r not in bench_grouped.ROUTINGS for r in routings) or not routings:
     raise args.UsageError(f"--routing: expected some of {', '.join(bench_grouped.ROUTINGS)}, got {FLAGS.routing}")

@@ -126,10 +126,11 @@ def config_contender(text: str) -> tuple[str, object]:
   the contender's name and its kernel config, built (and so checked) by the config class. ValueError names what is
   wrong."""
   implementation, _, fields = (part.strip() for part in text.partition(":"))
-  if implementation not in CONFIG_IMPLEMENTATIONS:
-    raise ValueError(f"{text!r}: starts with one of {', '.join(CONFIG_IMPLEMENTATIONS)} and ':'")
-  backend = gemm.planner.BACKENDS[implementation]
-  cls = backend.config_class()
+  if implementation not in CONFIG_IMPLEMENTATIONS + ("masked_mosaic",):
+    raise ValueError(f"{text!r}: starts with one of {', '.join(CONFIG_IMPLEMENTATIONS)}, masked_mosaic (the grouped "
+                     "op's masked layout) and ':'")
+  # the grouped Mosaic kernels take the dense Mosaic kernel's config class
+  cls = gemm.planner.BACKENDS[implementation.removeprefix("masked_")].config_class()
   known = {f.name for f in dataclasses.fields(cls)}
   kwargs, given = {}, []
   for item in (f.strip() for f in fields.split(",") if f.strip()):

@@ -6,6 +6,9 @@ every third expert empty; `--routing`). Contenders (names for --implementations)
   "mosaic", "xla":        ours, `ragged_w8a8_block_fp8_matmul` with that implementation (ragged layout).
   "masked_mosaic":        ours, `masked_w8a8_block_fp8_matmul` on the same rows laid out per expert (T = the largest
                           expert's rows rounded up to 64), at R <= MASKED_MAX_ROWS (decode).
+  "masked_mosaic_live":   the same with zero_unowned_rows=False: each expert's rows past its count are not written
+                          (what a caller that never reads them pays).
+  "mosaic[f=v,...]", "masked_mosaic[f=v,...]":   an explicit kernel config (bench's --gemm_configs) on that layout.
   "ragged_dot_bf16":      BASELINE, `jax.lax.ragged_dot` on bf16 activations and bf16 weights (E, K, N).
   "pallas_ragged_bf16":   BASELINE, JAX's Hopper Pallas ragged dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu)
                           on the same bf16 operands, the fastest of PALLAS_CONFIGS (the config is in the row's note).
@@ -31,8 +34,11 @@ from jaxfp8 import gemm, grouped
 from jaxfp8 import reference as ref
 from jaxfp8.tools import bench_gemm, bench_report, timing
 
-CONTENDERS = ("mosaic", "xla", "masked_mosaic", "ragged_dot_bf16", "pallas_ragged_bf16", "dense_same_rows")
-ROLES = {"mosaic": "ours", "xla": "ours", "masked_mosaic": "ours", "ragged_dot_bf16": "baseline",
+CONTENDERS = ("mosaic", "xla", "masked_mosaic", "masked_mosaic_live", "ragged_dot_bf16", "pallas_ragged_bf16",
+              "dense_same_rows")
+MASKED = ("masked_mosaic", "masked_mosaic_live")
+ROLES = {"mosaic": "ours", "xla": "ours", "masked_mosaic": "ours", "masked_mosaic_live": "ours",
+         "ragged_dot_bf16": "baseline",
          "pallas_ragged_bf16": "baseline", "dense_same_rows": "reference"}
 ROUTINGS = ("balanced", "skewed")
 HBM_BYTES_PER_S = bench_gemm.HBM_BYTES_PER_S
@@ -111,15 +117,18 @@ def dequantized_bf16(a_q, b_q, a_s_col, b_s, block_size):
   return a, jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
 
 
-def contender(name: str, block_size, pallas_config=None) -> Callable:
-  """The jitted contender `name`: f(operands..., sizes) -> output."""
-  if name in ("mosaic", "xla"):
+def contender(name: str, block_size, pallas_config=None, config=None) -> Callable:
+  """The jitted contender `name` (a config contender 'mosaic[...]' with its kernel `config`): f(operands..., sizes)
+  -> output."""
+  base = name.split("[")[0]
+  if base in ("mosaic", "xla"):
     f = functools.partial(grouped.ragged_w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True,
-                          implementation=name, interpret=False)
+                          implementation=base, config=config, interpret=False)
     return jax.jit(lambda a_q, b_q, a_s, b_s, sizes: f(a_q, b_q, a_s, b_s, sizes))
-  if name == "masked_mosaic":
+  if base in MASKED:
     f = functools.partial(grouped.masked_w8a8_block_fp8_matmul, block_size=block_size, a_s_column_major=True,
-                          implementation="mosaic", interpret=False)
+                          implementation="mosaic", config=config, interpret=False,
+                          zero_unowned_rows=base == "masked_mosaic")
     return jax.jit(lambda a_q, b_q, a_s, b_s, sizes: f(a_q, b_q, a_s, b_s, sizes))
   if name == "ragged_dot_bf16":
     return jax.jit(lambda a, w, sizes: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32
@@ -166,14 +175,14 @@ def _error(out, sample, expected, cols, owned_rows: int) -> float:
   return ref.relative_error(got, want)
 
 
-def _masked_error(out, sizes, sample, expected, cols) -> float:
+def _masked_error(out, sizes, sample, expected, cols, zeroed: bool = True) -> float:
   """`_error` of the masked layout's (E, T, N) output: back to the ragged row order; rows past an expert's count must
-  be 0."""
+  be 0 (`zeroed`) or are not looked at."""
   flat = np.asarray(jnp.asarray(out).astype(jnp.float32))
   starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
   ragged = np.zeros((int(sizes.sum()), flat.shape[-1]), np.float32)
   for g, count in enumerate(sizes):
-    if flat[g, count:].any():
+    if zeroed and flat[g, count:].any():
       return float("inf")
     ragged[starts[g]:starts[g] + count] = flat[g, :count]
   return _error(ragged, sample, expected, cols, ragged.shape[0])
@@ -181,13 +190,17 @@ def _masked_error(out, sizes, sample, expected, cols) -> float:
 
 def run(shapes: Sequence[tuple[str, int, int, int]], rows_by_shape: dict[str, Sequence[int]],
         implementations: Sequence[str], *, routings: Sequence[str] = ("balanced",), block_size=(128, 128),
-        iterations: int = 30, seed: int = 0, timer: Callable[..., float] | None = None, log=print) -> list[dict]:
-  """Times every contender on every (shape, R, routing); checks each output on a sample first. Returns raw rows."""
+        iterations: int = 30, seed: int = 0, timer: Callable[..., float] | None = None,
+        configs: dict | None = None, log=print) -> list[dict]:
+  """Times every contender on every (shape, R, routing); checks each output on a sample first. Returns raw rows.
+  `configs`: the kernel config of each config contender ('mosaic[...]') among `implementations`."""
   block_size = tuple(block_size)
   timer = timer or timing.median_kernel_us
   rng = np.random.default_rng(seed)
   key = jax.random.key(seed)
-  fns = {name: contender(name, block_size) for name in implementations if name != "pallas_ragged_bf16"}
+  configs = configs or {}
+  fns = {name: contender(name, block_size, config=configs.get(name)) for name in implementations
+         if name != "pallas_ragged_bf16"}
   rows_out: list[dict] = []
   for name, e, n, k in shapes:
     for r in rows_by_shape[name]:
@@ -203,9 +216,10 @@ def run(shapes: Sequence[tuple[str, int, int, int]], rows_by_shape: dict[str, Se
         base = dict(shape=f"{name}/{routing}", groups=e, m=r, n=n, k=k, routing=routing, active_experts=active,
                     floor_us=floor, bytes=num_bytes, flops=2 * r * n * k)
         for impl in implementations:
-          if impl == "masked_mosaic" and r > MASKED_MAX_ROWS:
+          masked = impl.split("[")[0] in MASKED
+          if masked and r > MASKED_MAX_ROWS:
             continue
-          row = dict(base, contender=impl, layout="masked" if impl == "masked_mosaic" else "ragged")
+          row = dict(base, contender=impl, layout="masked" if masked else "ragged")
           try:
             row.update(_measure(impl, fns.get(impl), operands, bf16, sizes, (sample, expected, cols), block_size,
                                 iterations, timer))
@@ -226,9 +240,10 @@ def _measure(impl: str, fn, operands, bf16: list, sizes: np.ndarray, check, bloc
   r = a_q.shape[0]
   sizes_dev = jnp.asarray(sizes, jnp.int32)
   note = None
+  impl = impl.split("[")[0]  # a config contender runs as its implementation
   if impl in ("mosaic", "xla"):
     args = (*operands, sizes_dev)
-  elif impl == "masked_mosaic":
+  elif impl in MASKED:
     codes, scales = masked_layout(a_q, a_s, sizes, -(-int(sizes.max()) // 64) * 64)
     args = (codes, b_q, scales, b_s, sizes_dev)
   elif impl == "dense_same_rows":
@@ -241,8 +256,8 @@ def _measure(impl: str, fn, operands, bf16: list, sizes: np.ndarray, check, bloc
     config = _best_pallas(args, block_size, iterations, timer)
     fn, note = contender(impl, block_size, config), f"config {config} (the fastest of PALLAS_CONFIGS)"
   out = fn(*args)
-  if impl == "masked_mosaic":
-    err = _masked_error(out, sizes, sample, expected, cols)
+  if impl in MASKED:
+    err = _masked_error(out, sizes, sample, expected, cols, zeroed=impl == "masked_mosaic")
   elif impl == "dense_same_rows":
     dense_sample = [(0, rows) for _, rows in sample]
     dense_expected, _ = reference_rows(*operands, dense_sample, block_size)
@@ -283,7 +298,8 @@ def format_row(row: dict) -> str:
 
 def summary_table(rows: list[dict]) -> str:
   """One line per (expert shape, R): each contender's us (x the floor), the floor and the experts with rows."""
-  names = [c for c in CONTENDERS if any(r["implementation"] == c for r in rows)]
+  present = list(dict.fromkeys(r["implementation"] for r in rows))
+  names = [c for c in CONTENDERS if c in present] + [c for c in present if c not in CONTENDERS]
   by_key: dict = {}
   for r in rows:
     by_key.setdefault((r["shape"], r["m"]), {})[r["implementation"]] = r

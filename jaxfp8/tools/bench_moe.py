@@ -106,8 +106,9 @@ def layer_steps(plan: moe_planner.MoePlan, route: Callable) -> tuple[Step, ...]:
   return steps
 
 
-def run_steps(steps: Sequence[Step], values: dict, time_us: Callable) -> list[tuple[Step, float]]:
-  """Runs the steps in order on `values` (which gains every step's outputs), timing each on its own inputs."""
+def run_steps(steps: Sequence[Step], values: dict, time_us: Callable) -> list[tuple[Step, object]]:
+  """Runs the steps in order on `values` (which gains every step's outputs), timing each on its own inputs (each
+  entry: the step and what `time_us` returned)."""
   timed = []
   for step in steps:
     args = tuple(values[name] for name in step.inputs)
@@ -247,7 +248,11 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
   key = jax.random.key(seed)
   weights = _layer_values(layer, jax.random.fold_in(key, 0))
   route = _route_fn(layer)
-  time_us = lambda fn, arg_sets: (timer or timing.median_kernel_us)(fn, arg_sets, iterations=iterations)
+  def time_us(fn, arg_sets):
+    """(us, the kernels and their share on the GPU, else None)."""
+    if timer is not None:
+      return timer(fn, arg_sets, iterations=iterations), None
+    return timing.median_kernel_us_and_kernels(fn, arg_sets, iterations=iterations)
   rng = np.random.default_rng(seed)
   bf16_weights: list = []
   rows: list[dict] = []
@@ -289,10 +294,18 @@ def _time_layer(plan, route, values, check, time_us, counts, record) -> None:
   args = tuple(values[name] for name in ("x", "gate_weight", "bias", "w13_q", "w13_s", "w2_q", "w2_s"))
   try:
     checked = _check(fn(*args), *check)
-    record("layer", "ours", us=time_us(fn, [args]), flops=counts["flops"], bytes=counts["bytes"],
-           plan=str(plan), **checked)
+    us, kernels = time_us(fn, [args])
+    record("layer", "ours", us=us, flops=counts["flops"], bytes=counts["bytes"], plan=str(plan),
+           **_kernel_fields(kernels), **checked)
   except Exception as e:  # a failing contender is reported, not fatal for the others
     record("layer", "ours", error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def _kernel_fields(kernels: list[dict] | None) -> dict:
+  """A timed row's kernels (GPU only): how many it launches per call and each one's name and time."""
+  if kernels is None:
+    return {}
+  return dict(kernel_launches=sum(k["launches_per_call"] for k in kernels), kernels=kernels)
 
 
 def _time_steps(steps, values, check, time_us, counts, record) -> None:
@@ -300,13 +313,13 @@ def _time_steps(steps, values, check, time_us, counts, record) -> None:
   total = gemm_us = 0.0
   for step in steps:
     try:
-      [(_, us)] = run_steps([step], values, time_us)
+      [(_, (us, kernels))] = run_steps([step], values, time_us)
     except Exception as e:  # the later steps need this one's outputs: the chain stops here
       record(step.name, "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
       return
     total += us
     gemm_us += us if step.gemm else 0.0
-    record(step.name, "part", us=us, step=True, **counts.get(step.name, {}))
+    record(step.name, "part", us=us, step=True, **_kernel_fields(kernels), **counts.get(step.name, {}))
   record("steps_summed", "summary", us=total, non_gemm_share=(total - gemm_us) / total, **_check(values["out"], *check))
 
 
@@ -320,7 +333,7 @@ def _time_bf16(baseline, route, values, bf16_weights, check, time_us, counts, re
     fn = _bf16_layer(dot, route)
     try:
       checked = _check(fn(*args), *check)
-      us = time_us(fn, [args])
+      us, _ = time_us(fn, [args])
     except Exception as e:  # a Pallas config that does not build for this shape: the others may
       failures.append(f"{label}: {type(e).__name__}: {str(e)[:150]}")
       continue

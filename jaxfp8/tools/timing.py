@@ -91,6 +91,26 @@ def median_kernel_us_by_name(
           {name: statistics.median(times) for name, times in by_name.items()})
 
 
+def kernel_breakdown(records: list[tuple[str, float]], iterations: int) -> list[dict]:
+  """The kernels of `iterations` calls' records by name, most time first: launches and microseconds per call."""
+  by_name: dict[str, list] = {}
+  for name, us in records:
+    entry = by_name.setdefault(name, [0, 0.0])
+    entry[0] += 1
+    entry[1] += us
+  return [dict(name=name, launches_per_call=count / iterations, us_per_call=us / iterations)
+          for name, (count, us) in sorted(by_name.items(), key=lambda item: -item[1][1])]
+
+
+def median_kernel_us_and_kernels(
+    fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iterations: int = 30,
+    sync: Callable[[Any], None] = jax.block_until_ready,
+) -> tuple[float, list[dict]]:
+  """`median_kernel_us` of `fn`, and its kernels (`kernel_breakdown`): where a step's time goes."""
+  records = kernel_records(lambda i: fn(*arg_sets[i % len(arg_sets)]), iterations=iterations, sync=sync)
+  return statistics.median(_per_call_totals(records, iterations)), kernel_breakdown(records, iterations)
+
+
 def kernel_names(fn: Callable[..., Any], args: tuple, *,
                  sync: Callable[[Any], None] = jax.block_until_ready) -> list[str]:
   """Names of the kernels one call of `fn(*args)` launches (to check that a timed call ran what we think)."""

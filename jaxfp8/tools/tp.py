@@ -190,16 +190,10 @@ def _plan(mode: str, m: int, n: int, k: int, devices: int, block_size, implement
 def kernel_time(fn: Callable, arg_sets: Sequence[tuple], *, iterations: int, devices: int) -> dict:
   """CUPTI kernel time of `fn` per call and per device, split into collectives and compute (see TIMING_NOTES)."""
   records = timing.kernel_records(lambda i: fn(*arg_sets[i % len(arg_sets)]), iterations=iterations)
-  by_name: dict[str, list] = {}
-  for name, us in records:
-    entry = by_name.setdefault(name, [0, 0.0])
-    entry[0] += 1
-    entry[1] += us
+  kernels = [dict(name=k["name"], launches_per_call=k["launches_per_call"], us_per_call_all_devices=k["us_per_call"],
+                  collective=is_collective_kernel(k["name"])) for k in timing.kernel_breakdown(records, iterations)]
   total = sum(us for _, us in records) / iterations
-  collective = sum(us for name, (_, us) in by_name.items() if is_collective_kernel(name)) / iterations
-  kernels = [dict(name=name, launches_per_call=count / iterations, us_per_call_all_devices=us / iterations,
-                  collective=is_collective_kernel(name))
-             for name, (count, us) in sorted(by_name.items(), key=lambda item: -item[1][1])]
+  collective = sum(k["us_per_call_all_devices"] for k in kernels if k["collective"])
   out = dict(kernel_us_per_device=total / devices, collective_us_per_device=collective / devices,
              compute_us_per_device=(total - collective) / devices, kernel_launches_per_call=len(records) / iterations,
              kernels=kernels)
