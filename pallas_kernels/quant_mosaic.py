@@ -341,10 +341,8 @@ def per_token_group_quant(
     interpret: bool = False,
     pad_rows_written: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-  """q (E, out_rows, K) float8_e4m3fn and scales in `scale_layout`; see the module docstring.
-
-  pad_rows_written=False: a CTA whose rows are all pad rows writes nothing, so pad rows past the last live block are
-  left unwritten (their codes and scales are unspecified); a caller that never reads them pays for live rows only.
+  """q (E, out_rows, K) float8_e4m3fn and scales in `scale_layout`; see the module docstring. pad_rows_written=False:
+  CTAs of pad rows only write nothing (those rows' codes and scales are left unspecified).
 
   The caller validates the arguments (`problems` says what this kernel cannot do) and chooses the config.
   """
@@ -456,7 +454,7 @@ def _kernel_body(
   # With no live row there is nothing to read: the block is all pad rows.
   any_live = row0 < num_valid
 
-  def work():
+  def _kernel():  # the CTA's work: every CTA's, or with pad_rows_written=False only those holding a live row
     def group_start(step):
       return _group_block_start(plan, split, step)
 
@@ -571,6 +569,6 @@ def _kernel_body(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   if pad_rows_written:
-    work()
+    _kernel()
   else:  # a block of pad rows only stores nothing
-    pl.when(any_live)(work)
+    pl.when(any_live)(_kernel)

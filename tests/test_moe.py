@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -125,8 +126,9 @@ def test_qwen3_router_matches_reference(rng, e, top_k, norm):
   _assert_routes(ids, weights, want_ids, want_weights, _margins(probs / probs.sum(-1, keepdims=True), top_k))
 
 
+# (300, 256) is past routing.PAIRWISE_MAX_COMPARES: lax.top_k itself, the chosen entries gathered
 @pytest.mark.parametrize("shape, k", [((300, 256), 8), ((5, 8, 32), 2), ((7, 8), 4), ((64, 128), 8), ((1, 256), 8),
-                                      ((3, 2), 2)])
+                                      ((64, 256), 8), ((3, 2), 2)])
 @pytest.mark.parametrize("values", ["normal", "ties", "specials"])
 def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, shape, k, values):
   from jax import lax
@@ -363,10 +365,9 @@ def test_dispatch_is_stable_and_puts_outside_ids_last():
 
 
 @pytest.mark.parametrize("slots, experts, ids_below", [
-    (1, 4, 4), (8, 32, 256), (300, 8, 8), (moe_layer.PAIRWISE_SLOTS, 128, 130), (moe_layer.PAIRWISE_SLOTS + 1, 16, 20),
-    (5000, 7, 9), (32768, 32, 256)])
+    (1, 4, 4), (8, 32, 256), (300, 8, 8), (2048, 128, 130), (2049, 16, 20), (32768, 32, 256)])
 def test_dispatch_is_numpys_stable_argsort(rng, slots, experts, ids_below):
-  # both counting paths (one pairwise count, and blocks with a histogram prefix past PAIRWISE_SLOTS)
+  # both paths: the pairwise count (up to 2048 slots: routing.PAIRWISE_MAX_COMPARES) and the argsort
   ids = rng.integers(-3, ids_below, slots).astype(np.int32)
   ids[rng.random(slots) < 0.1] = rng.integers(0, experts)  # a crowded expert
   d = jax.jit(moe_layer.dispatch, static_argnums=1)(jnp.asarray(ids), experts)
@@ -563,6 +564,32 @@ def _scatter_combine(y, topk_ids, topk_weights, experts, out_dtype):
   return acc.astype(out_dtype)
 
 
+@pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="needs jax.experimental.pallas.mosaic_gpu")
+def test_the_mosaic_combine_is_the_xla_combine_bit_for_bit(rng):
+  from jaxfp8.moe import combine as moe_combine
+  from jaxfp8.moe import planner as moe_planner
+  t, k, e, h = 37, 8, 6, 384
+  ids = rng.integers(-2, e + 4, (t, k)).astype(np.int32)
+  weights = rng.standard_normal((t, k)).astype(np.float32)
+  weights[(ids < 0) | (ids >= e)] = np.nan  # never read
+  y = rng.standard_normal((t * k, h)).astype(np.float32)
+  d = moe_layer.dispatch(jnp.asarray(ids), e)
+  y[int(d.live):] = np.nan  # rows past the live ones: never written
+  valid = jnp.asarray((ids >= 0) & (ids < e))
+  outs = []
+  for asked in ("xla", "mosaic"):
+    plan = moe_planner.plan(t, k, e, h, 128, (128, 128), jnp.bfloat16,
+                            moe_planner.MoeOptions(combine_implementation=asked, interpret=True))
+    assert plan.combine.implementation == asked and f"{asked} combine" in str(plan)
+    outs.append(np.asarray(moe_layer.combine(jnp.asarray(y), d, jnp.asarray(weights), valid, jnp.bfloat16, plan)))
+  assert outs[0].view(np.uint16).tobytes() == outs[1].view(np.uint16).tobytes()
+  assert "xla combine" in str(moe_planner.plan(t, k, e, h, 128, (128, 128), jnp.bfloat16))  # the default
+  with pytest.raises(ValueError, match="combine_implementation='mosaic' cannot run here: .*H=200"):
+    moe_combine.plan("mosaic", t, k, 200, jnp.bfloat16, _platform.device(), True)
+  with pytest.raises(ValueError, match="combine_implementation"):
+    moe_planner.MoeOptions(combine_implementation="cuda")
+
+
 def _combine_case(rng, out_dtype):
   t, k, e, h = int(rng.integers(1, 80)), int(rng.integers(1, 9)), int(rng.integers(1, 40)), int(rng.integers(1, 300))
   ids = rng.integers(-3, e + 3, (t, k)).astype(np.int32)
@@ -570,8 +597,11 @@ def _combine_case(rng, out_dtype):
   weights[(ids < 0) | (ids >= e)] = rng.choice([np.inf, np.nan, 1e30])
   y = rng.standard_normal((t * k, h)).astype(np.float32) * np.float32(rng.choice([1e-3, 1.0, 1e20]))
   y[int(moe_layer.dispatch(jnp.asarray(ids), e).live):] = np.nan  # rows past the live ones: never written
+  from jaxfp8.moe import combine as moe_combine
+  plan = types.SimpleNamespace(combine=moe_combine.plan(None, t, k, h, out_dtype, _platform.device(), False))
   new = jax.jit(lambda y, ids, w: moe_layer.combine(y, moe_layer.dispatch(ids, e), w, (ids >= 0) & (ids < e),
-                                                    out_dtype))(jnp.asarray(y), jnp.asarray(ids), jnp.asarray(weights))
+                                                    out_dtype, plan))(jnp.asarray(y), jnp.asarray(ids),
+                                                                      jnp.asarray(weights))
   old = jax.jit(lambda y, ids, w: _scatter_combine(y, ids, w, e, out_dtype))(jnp.asarray(y), jnp.asarray(ids),
                                                                               jnp.asarray(weights))
   valid = (ids >= 0) & (ids < e)

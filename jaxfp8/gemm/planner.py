@@ -140,7 +140,7 @@ def plan(p: GemmProblem, *, implementation: str | None = None, config=None, inte
   else:
     _planning.given_config(backend, implementation, config, option="implementation")
     if problem_text := backend.config_problem(p, config):
-      raise ValueError(f"config {config} cannot run this problem: {problem_text}")
+      raise ValueError(f"config cannot run this problem ({problem_text}): {config}")
     config_reason = "given"
   return GemmPlan(p, implementation, config, interpret, reason or why, config_reason, device)
 

@@ -107,7 +107,7 @@ def plan(p: GroupedProblem, *, implementation: str | None = None, config=None, i
   else:
     _planning.given_config(backend, implementation, config, option="implementation", kernels=("mosaic",))
     if problem_text := backend.config_problem(p, config):
-      raise ValueError(f"config {config} cannot run this problem: {problem_text}")
+      raise ValueError(f"config cannot run this problem ({problem_text}): {config}")
     config_reason = "given"
   return GroupedPlan(p, implementation, config, interpret, reason or why, config_reason, device)
 

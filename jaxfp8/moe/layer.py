@@ -18,7 +18,6 @@ implementation (`MoePlan`); the benchmark times the steps by these names (`STEPS
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -26,7 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxfp8 import grouped, quant
+from jaxfp8.moe import combine as combine_rows
 from jaxfp8.moe import permute as permute_rows
+from jaxfp8.moe import routing
 
 STEPS = ("dispatch", "quantize", "permute", "gate_up", "silu_quant", "down", "combine")
 GEMM_STEPS = ("gate_up", "down")
@@ -40,53 +41,28 @@ class Dispatch(NamedTuple):
   live: jax.Array         # () int32: rows some expert owns (the sum of group_sizes)
 
 
-# Up to this many slots, each slot's row is one count over every other slot (an (R, R) comparison in one fused
-# reduction); past it, the same count split into blocks of slots plus a per-block histogram of the experts.
-PAIRWISE_SLOTS = 2048
-
-
 def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
   """The slots of slot_ids (any shape, int32 expert ids; an id outside [0, E) belongs to no expert here) sorted by
   expert, stable, the slots of no expert last.
 
-  A counting sort, with no sort kernel: a slot's expert-order row is the number of slots that go before it (those of
-  a lower expert, and those of its own expert at a lower slot), counted by comparisons XLA fuses into a few
-  reductions; the order is then one scatter of the rows."""
+  With few slots (the comparisons within routing.PAIRWISE_MAX_COMPARES) a counting sort, with no sort kernel: a
+  slot's expert-order row is the number of slots that go before it (those of a lower expert, and those of its own
+  expert at a lower slot), one fused reduction over (R, R); the order is then one scatter of the rows. With more, a
+  stable argsort."""
   ids = slot_ids.reshape(-1).astype(jnp.int32)
   n = ids.shape[0]
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
-  buckets = jnp.arange(experts + 1, dtype=jnp.int32)
-  if n <= PAIRWISE_SLOTS:
+  if n * n <= routing.PAIRWISE_MAX_COMPARES:
     earlier = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
     before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & earlier)
     rank = jnp.sum(before, axis=1, dtype=jnp.int32)
-    sizes = jnp.sum(key[:, None] == buckets, axis=0, dtype=jnp.int32)
+    order = jnp.zeros_like(rank).at[rank].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+    group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
   else:
-    rank, sizes = _blocked_ranks(key, buckets)
-  order = jnp.zeros_like(rank).at[rank].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
-  group_sizes = sizes[:experts]
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+    group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
   return Dispatch(order, rank, group_sizes, jnp.sum(group_sizes).astype(jnp.int32))
-
-
-def _blocked_ranks(key: jax.Array, buckets: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(rank, slots per bucket) of the stable counting sort of key (n,) into buckets [0, E]: the slots in blocks of
-  about sqrt(n), each slot counted within its block, each block's histogram summed over the blocks before it."""
-  n = key.shape[0]
-  block = max(128, 1 << math.ceil(math.log2(math.sqrt(n))))
-  nb = -(-n // block)
-  # pad slots take the last bucket after every real slot, so they rank past n and change no real rank
-  kb = jnp.concatenate([key, jnp.full((nb * block - n,), buckets.shape[0] - 1, jnp.int32)]).reshape(nb, block)
-  earlier = lax.broadcasted_iota(jnp.int32, (block, block), 1) < lax.broadcasted_iota(jnp.int32, (block, block), 0)
-  within = jnp.sum((kb[:, None, :] == kb[:, :, None]) & earlier, axis=2, dtype=jnp.int32)  # (nb, block)
-  hist = jnp.sum(kb[:, :, None] == buckets, axis=1, dtype=jnp.int32)  # (nb, E + 1)
-  lower_blocks = lax.broadcasted_iota(jnp.int32, (nb, nb), 1) < lax.broadcasted_iota(jnp.int32, (nb, nb), 0)
-  blocks_before = jnp.sum(jnp.where(lower_blocks[:, :, None], hist[None], 0), axis=1)  # (nb, E + 1)
-  sizes = jnp.sum(hist, axis=0) - jnp.zeros_like(buckets).at[-1].set(nb * block - n)
-  e1 = buckets.shape[0]
-  lower = lax.broadcasted_iota(jnp.int32, (e1, e1), 1) < lax.broadcasted_iota(jnp.int32, (e1, e1), 0)
-  offsets = jnp.sum(jnp.where(lower, sizes[None, :], 0), axis=1)  # (E + 1,): slots of lower buckets
-  rank = offsets[kb] + jnp.take_along_axis(blocks_before, kb, axis=1) + within
-  return rank.reshape(-1)[:n], sizes
 
 
 def quantize(x: jax.Array, plan) -> tuple[jax.Array, jax.Array]:
@@ -121,22 +97,11 @@ def down(h_q, h_s, d: Dispatch, w2_q, w2_s, plan) -> jax.Array:
   return grouped.planner.run(h_q, w2_q, h_s, w2_s, d.group_sizes, plan=plan.down)
 
 
-def combine_slots(y_slots: jax.Array, topk_weights: jax.Array, valid: jax.Array, out_dtype) -> jax.Array:
-  """out[t] = sum over slots j, in order, of float32(w[t, j]) * y[t, j] (float32), cast once. y_slots (T, k, H); a
-  slot not `valid` adds exactly nothing, whatever its weight (inf, NaN) or its row (never read: selected away)."""
-  weights = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
-  acc = jnp.zeros(y_slots.shape[::2], jnp.float32)
-  for j in range(y_slots.shape[1]):
-    acc = acc + weights[:, j, None] * jnp.where(valid[:, j, None], y_slots[:, j], 0.0)
-  return acc.astype(out_dtype)
-
-
-def combine(y: jax.Array, d: Dispatch, topk_weights: jax.Array, valid: jax.Array, out_dtype) -> jax.Array:
-  """(T, H): each token's k rows of y (expert order) gathered through `rank` and summed in slot order; a slot of no
-  expert gathers row 0 (read once, then selected away)."""
+def combine(y: jax.Array, d: Dispatch, topk_weights: jax.Array, valid: jax.Array, out_dtype, plan) -> jax.Array:
+  """(T, H): each token's k rows of y (expert order) read through `rank` and summed in slot order (the plan's
+  combine: jaxfp8/moe/combine.py); a slot of no expert adds nothing and its row is never used."""
   t, k = topk_weights.shape
-  rows = jnp.where(valid.reshape(-1), d.rank, 0)
-  return combine_slots(y[rows].reshape(t, k, -1), topk_weights, valid, out_dtype)
+  return combine_rows.combine(y, d.rank.reshape(t, k), topk_weights, valid, out_dtype, plan.combine)
 
 
 def _apart(*values):
@@ -163,4 +128,4 @@ def forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Ar
   x_q, x_s = _apart(*quantize(x, plan))
   y = experts_on_rows(x_q, x_s, jnp.arange(t * k, dtype=jnp.int32) // k, d, w13_q, w13_s, w2_q, w2_s, plan)
   valid = (topk_ids >= 0) & (topk_ids < plan.experts)
-  return combine(y, d, topk_weights, valid, x.dtype)
+  return combine(y, d, topk_weights, valid, x.dtype, plan)

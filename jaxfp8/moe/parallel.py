@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from jaxfp8 import _mesh, quant
 from jaxfp8 import _transforms as transforms
-from jaxfp8.moe import api, layer, planner
+from jaxfp8.moe import api, combine, layer, planner
 
 _OP = "jaxfp8.moe.expert_parallel_fp8_moe"
 
@@ -62,7 +62,7 @@ def _per_device(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, *, plan: pl
   y = y[d.rank].reshape(devices, capacity, -1)  # back in buffer order; rows of no expert are never read
   back = exchange(y)  # back[d, p]: the result of the row this device put at slot p of device d's buffer
   y_slots = jnp.where(valid[:, None], back[send_at[0], jnp.minimum(pos, capacity - 1)], 0.0)
-  return layer.combine_slots(y_slots.reshape(t, k, -1), topk_weights, valid.reshape(t, k), x.dtype)
+  return combine.combine_slots(y_slots.reshape(t, k, -1), topk_weights, valid.reshape(t, k), x.dtype)
 
 
 def expert_parallel_fp8_moe(

@@ -13,12 +13,11 @@ import functools
 import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform, grouped, quant
-from jaxfp8.moe import permute
+from jaxfp8.moe import combine, permute
 
 LIVE_ROWS_REASON = ("the slots of no local expert sort past the live rows, which the GEMMs neither compute nor store "
                     "and the SiLU-and-mul quantizer neither reads nor (past the last live block) writes; the "
                     "combine gathers each token's rows back")
-COMBINE_REASON = "a gather of each token's k rows through the inverse order, summed in slot order (one pass)"
 LAYOUT_REASON = ("ragged: the rows sorted by expert, one grouped GEMM per projection (the masked layout has not been "
                  "measured faster on a GPU yet)")
 
@@ -29,10 +28,12 @@ class MoeOptions:
   implementation: str | None = None        # the grouped GEMMs'
   quant_implementation: str | None = None
   interpret: bool | None = None
+  combine_implementation: str | None = None  # None: XLA's (jaxfp8/moe/combine.py)
 
   def __post_init__(self):
     _checks.one_of("implementation", self.implementation, grouped.IMPLEMENTATIONS)
     _checks.one_of("quant_implementation", self.quant_implementation, quant.IMPLEMENTATIONS)
+    _checks.one_of("combine_implementation", self.combine_implementation, combine.IMPLEMENTATIONS)
     object.__setattr__(self, "interpret", _checks.interpret(self.interpret))
 
 
@@ -51,6 +52,7 @@ class MoePlan:
   quant_h: quant.QuantPlan
   down: grouped.GroupedPlan
   permute: permute.PermutePlan
+  combine: combine.CombinePlan
   layout: str = "ragged"
   layout_reason: str = LAYOUT_REASON
 
@@ -75,7 +77,7 @@ class MoePlan:
         f"  gate_up: {self.gate_up}",
         f"  SiLU-and-mul quantized: {self.quant_h}",
         f"  down: {self.down}",
-        f"  combine: {COMBINE_REASON}"])
+        f"  combine: {self.combine}"])
 
 
 def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, block_size: tuple[int, int], x_dtype,
@@ -113,4 +115,5 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
 
   return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name,
                  quant_plan(tokens, hidden, False), gate_up, quant_plan(rows, 2 * intermediate, True), down,
-                 permute.plan(implementation, hidden, device, interpret))
+                 permute.plan(implementation, hidden, device, interpret),
+                 combine.plan(options.combine_implementation, tokens, top_k, hidden, x_dtype, device, interpret))

@@ -16,6 +16,13 @@ from jax import lax
 from jaxfp8 import _checks
 
 
+# The most comparisons a compare-and-count choice (`_top_k` here, the layer's dispatch) makes in one call: the largest
+# measured to compile and run on the H200 (the DeepSeek-V3 router at 64 tokens: 64 x 256 x 256). Past it the
+# sort-based ops run: XLA's GPU compiler stalled on a larger one (the layer at 4096 tokens) and which of its
+# reductions did is not yet measured.
+PAIRWISE_MAX_COMPARES = 1 << 22
+
+
 def _order_keys(values: jax.Array) -> jax.Array:
   """int32 keys of float32 values in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < inf < +NaN), the order
   `lax.top_k` ranks floats by."""
@@ -25,10 +32,14 @@ def _order_keys(values: jax.Array) -> jax.Array:
 
 def _top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]:
   """`lax.top_k(values, k)` over the last axis (the k largest, in order, ties to the lower index, NaN by its sign),
-  as (ids, then the chosen entries of each array of `also`, same shape as values). Each entry's rank is the count
-  of entries that beat it, so the whole choice is a few fused compare-and-count reductions over (..., n, n): no
-  sort, and at decode a handful of small kernels where a sort-based top-k launches many."""
+  as (ids, then the chosen entries of each array of `also`, same shape as values). Up to PAIRWISE_MAX_COMPARES,
+  each entry's rank is the count of entries that beat it, so the whole choice is a few fused compare-and-count
+  reductions over (..., n, n): no sort, and at decode a handful of small kernels where a sort-based top-k launches
+  many. Past it, `lax.top_k` itself."""
   n = values.shape[-1]
+  if values.size * n > PAIRWISE_MAX_COMPARES:
+    ids = lax.top_k(values, k)[1]
+    return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also))
   key = _order_keys(values)
   index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
   beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)

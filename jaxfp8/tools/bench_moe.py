@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfp8 import moe
+from jaxfp8 import _platform, moe
 from jaxfp8 import reference as ref
+from jaxfp8.moe import combine as moe_combine
 from jaxfp8.moe import layer as moe_layer
 from jaxfp8.moe import planner as moe_planner
 from jaxfp8.tools import bench_gemm, bench_report, timing
@@ -66,6 +67,7 @@ CPU_LAYERS = ("tiny",)
 DEFAULT_TOKENS = (1, 64, 4096)
 CPU_TOKENS = (1, 16)
 ROLES = {"layer": "ours", "steps": "part", "ragged_dot_bf16": "baseline", "pallas_ragged_bf16": "baseline"}
+XLA_COMBINE = moe_combine.CombinePlan("xla", None, False, moe_combine.XLA_REASON)
 PALLAS_CONFIGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 1), (128, 256, 64, 4, 8))
 
 
@@ -87,7 +89,7 @@ def layer_steps(plan: moe_planner.MoePlan, route: Callable) -> tuple[Step, ...]:
     return jnp.arange(d.order.shape[0], dtype=jnp.int32) // plan.top_k
 
   def combine(y, d, ids, weights):
-    return moe_layer.combine(y, d, weights, (ids >= 0) & (ids < plan.experts), jnp.bfloat16)
+    return moe_layer.combine(y, d, weights, (ids >= 0) & (ids < plan.experts), jnp.bfloat16, plan)
 
   steps = (
       Step("route", jax.jit(route), ("x", "gate_weight", "bias"), ("ids", "weights")),
@@ -156,7 +158,8 @@ def _bf16_layer(dot, route):
     i = h.shape[1] // 2
     act = (jax.nn.silu(h[:, :i].astype(jnp.float32)) * h[:, i:].astype(jnp.float32)).astype(jnp.bfloat16)
     y = dot(act, w2, sizes).astype(jnp.float32)
-    return moe_layer.combine(y, d, weights, (ids >= 0) & (ids < experts), jnp.bfloat16)
+    valid = (ids >= 0) & (ids < experts)
+    return moe_combine.combine(y, d.rank.reshape(t, k), weights, valid, jnp.bfloat16, XLA_COMBINE)
   return jax.jit(layer)
 
 
@@ -279,6 +282,8 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
       _time_layer(plan, route, values, (fp8_want, pick), time_us, counts, record)
     if "steps" in implementations:
       _time_steps(layer_steps(plan, route), values, (fp8_want, pick), time_us, counts, record)
+      if _platform.is_hopper() and "out" in values:
+        _time_mosaic_combine(layer, t, values, time_us, record)
     baselines = [b for b in ("ragged_dot_bf16", "pallas_ragged_bf16") if b in implementations]
     if baselines:
       bf16_weights = bf16_weights or [_dequantized(weights["w13_q"], weights["w13_s"]),
@@ -321,6 +326,22 @@ def _time_steps(steps, values, check, time_us, counts, record) -> None:
     gemm_us += us if step.gemm else 0.0
     record(step.name, "part", us=us, step=True, **_kernel_fields(kernels), **counts.get(step.name, {}))
   record("steps_summed", "summary", us=total, non_gemm_share=(total - gemm_us) / total, **_check(values["out"], *check))
+
+
+def _time_mosaic_combine(layer: Layer, t: int, values, time_us, record) -> None:
+  """The combine step again on the Mosaic combine (MoeOptions.combine_implementation), on the same inputs: its time
+  and whether its output is the XLA combine's, bit for bit."""
+  try:
+    plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16,
+                            moe_planner.MoeOptions(combine_implementation="mosaic"))
+    fn = jax.jit(lambda y, d, ids, w: moe_layer.combine(y, d, w, (ids >= 0) & (ids < layer.experts), jnp.bfloat16,
+                                                         plan))
+    args = tuple(values[name] for name in ("y", "d", "ids", "weights"))
+    same = np.asarray(fn(*args)).view(np.uint16).tobytes() == np.asarray(values["out"]).view(np.uint16).tobytes()
+    us, kernels = time_us(fn, [args])
+    record("combine_mosaic", "part", us=us, step=True, bit_identical_to_xla=same, **_kernel_fields(kernels))
+  except Exception as e:  # reported, not fatal for the other rows
+    record("combine_mosaic", "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def _time_bf16(baseline, route, values, bf16_weights, check, time_us, counts, record) -> None:

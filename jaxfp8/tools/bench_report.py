@@ -17,7 +17,7 @@ KEEP = ("us", "rel_err", "bound", "within_bound", "error", "note", "plan", "kern
         "bytes", "flops",
         "groups", "routing", "active_experts", "floor_us", "x_floor", "x_weight_floor", "layout", "tokens",
         "local_rows", "weight_stream_us", "x_weight_stream", "non_gemm_share", "bucket", "live", "rows_computed",
-        "valid_vs_exact", "y_rel_err", "codes_off", "scales_exact", "step")
+        "valid_vs_exact", "y_rel_err", "codes_off", "scales_exact", "step", "bit_identical_to_xla")
 
 
 def unify(op: str, raw_rows: Sequence[dict], roles: Mapping[str, str]) -> list[dict]:

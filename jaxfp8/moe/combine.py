@@ -1,0 +1,76 @@
+"""The MoE layer's combine (jaxfp8/moe/layer.py): each token's k result rows, weighted and summed in slot order.
+
+Two implementations of the one formula (docs/CONTRACT.md §8; `layer.combine_slots`): "xla", a gather of every slot's
+row (a slot of no local expert gathers row 0, then selects it away) and the sum; "mosaic", the Mosaic GPU combine
+(pallas_kernels/combine_rows_mosaic.py), which reads only the valid slots' rows and writes each output row once.
+The planner runs XLA's unless the Mosaic combine is asked for (`MoeOptions.combine_implementation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxfp8 import _platform
+
+KERNEL_MODULE = "pallas_kernels.combine_rows_mosaic"
+IMPLEMENTATIONS = ("mosaic", "xla")
+XLA_REASON = ("XLA's gather of each token's k rows and their sum in slot order (combine_implementation='mosaic' "
+              "reads only the valid slots' rows)")
+
+
+def _kernel():
+  return importlib.import_module(KERNEL_MODULE)
+
+
+@dataclasses.dataclass(frozen=True)
+class CombinePlan:
+  implementation: str
+  config: Any
+  interpret: bool
+  reason: str
+
+  def __str__(self) -> str:
+    mode = " (interpreted)" if self.interpret and self.implementation != "xla" else ""
+    config = f"; config {self.config}" if self.config is not None else ""
+    return f"{self.implementation} combine{mode}: {self.reason}{config}"
+
+
+def plan(asked: str | None, tokens: int, top_k: int, hidden: int, out_dtype, device: _platform.Device,
+         interpret: bool) -> CombinePlan:
+  """XLA's combine, or the Mosaic one when `asked` for it (a ValueError says why it cannot run here)."""
+  if asked in (None, "xla"):
+    return CombinePlan("xla", None, interpret, XLA_REASON if asked is None else "combine_implementation='xla'")
+  why = _platform.unavailable_reason("the Mosaic GPU combine", device, interpret, hopper=True, module=KERNEL_MODULE)
+  config = None if why else _kernel().CombineRowsConfig()
+  if not why and (problems := _kernel().problems(tokens, top_k, hidden, out_dtype=out_dtype, config=config)):
+    why = "; ".join(problems)
+  if why:
+    raise ValueError(f"combine_implementation='mosaic' cannot run here: {why}; use combine_implementation='xla'")
+  return CombinePlan("mosaic", config, interpret, "combine_implementation='mosaic': only the valid slots' rows are "
+                     "read")
+
+
+def combine_slots(y_slots: jax.Array, topk_weights: jax.Array, valid: jax.Array, out_dtype) -> jax.Array:
+  """out[t] = sum over slots j, in order, of float32(w[t, j]) * y[t, j] (float32), cast once. y_slots (T, k, H); a
+  slot not `valid` adds exactly nothing, whatever its weight (inf, NaN) or its row (never read: selected away)."""
+  weights = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
+  acc = jnp.zeros(y_slots.shape[::2], jnp.float32)
+  for j in range(y_slots.shape[1]):
+    acc = acc + weights[:, j, None] * jnp.where(valid[:, j, None], y_slots[:, j], 0.0)
+  return acc.astype(out_dtype)
+
+
+def combine(y: jax.Array, rows: jax.Array, topk_weights: jax.Array, valid: jax.Array, out_dtype,
+            plan: CombinePlan) -> jax.Array:
+  """(T, H): token t's slot j reads row rows[t, j] of y (where valid), weighted and summed in slot order."""
+  if plan.implementation == "mosaic":
+    return _kernel().combine_rows(y, rows, topk_weights.astype(jnp.float32), valid.astype(jnp.int32),
+                                  out_dtype=out_dtype, config=plan.config, interpret=plan.interpret)
+  t, k = rows.shape
+  rows = jnp.where(valid, rows, 0)  # a slot of no expert reads row 0, selected away
+  return combine_slots(y[rows.reshape(-1)].reshape(t, k, -1), topk_weights, valid, out_dtype)
