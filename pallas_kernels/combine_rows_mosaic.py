@@ -2,7 +2,7 @@
 
 The MoE layer's last step. y (R, H) float32 holds the experts' result rows in expert order; rows (T, k) says which
 row of y each token's slot reads, weights (T, k) its float32 weight, valid (T, k) whether it has an expert at all.
-Exactly as `jaxfp8.moe.layer.combine_slots` in XLA: acc = 0 (float32); for j in 0..k-1: acc = acc + w[t, j] * y_row
+Exactly as `jaxfp8.moe.combine.combine_slots` in XLA: acc = 0 (float32); for j in 0..k-1: acc = acc + w[t, j] * y_row
 (the product rounded to float32, then the sum), and a slot not valid leaves acc as it is (XLA adds w * 0 = +-0 to an
 acc that is never -0: the same bits); out[t] = out_dtype(acc). An invalid slot's weight (inf, NaN) and row are never
 read, and neither is a row of y no valid slot names (rows past the experts' live count may hold NaN).

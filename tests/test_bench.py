@@ -505,6 +505,16 @@ def test_ab_gemm_of_a_tree_with_itself_is_identical(tmp_path):
   assert [(r["identical"], r["rel_diff"]) for r in rows] == [(True, 0.0)]
 
 
+def test_timed_gives_the_kernels_only_from_cupti(monkeypatch):
+  assert timing.timed(lambda: None, [()], iterations=3, timer=lambda fn, sets, iterations: 7.5) == (7.5, None)
+  records = [("gemm", 10.0), ("gather", 1.0), ("gemm", 12.0), ("gather", 3.0)]
+  monkeypatch.setattr(timing, "kernel_records", lambda run, iterations, sync: records)
+  us, kernels = timing.timed(lambda: None, [()], iterations=2)
+  assert us == 13.0 and kernels == [dict(name="gemm", launches_per_call=1.0, us_per_call=11.0),
+                                    dict(name="gather", launches_per_call=1.0, us_per_call=2.0)]
+  assert bench_report.kernel_fields(kernels)["kernel_launches"] == 2.0 and bench_report.kernel_fields(None) == {}
+
+
 def test_kernel_times_by_name_split_calls_and_kernels(monkeypatch):
   # Three calls of a split-K GEMM (two kernels each): per-call totals 12, 15, 13.5 -> median 13.5; each kernel's own
   # median beside it. A record count that is not a multiple of the calls is an error, not a silent mis-slice.

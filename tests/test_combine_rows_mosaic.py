@@ -1,5 +1,5 @@
 """The Mosaic GPU combine (pallas_kernels/combine_rows_mosaic.py), the MoE layer's last step: interpreted on CPU (natively
-on a Hopper GPU) against the XLA formula of `jaxfp8.moe.layer.combine_slots`, bit for bit, on random slots whose
+on a Hopper GPU) against the XLA formula of `jaxfp8.moe.combine.combine_slots`, bit for bit, on random slots whose
 invalid ones carry NaN/inf weights and rows of NaN (or out of range) that must never be read; lowered for an H200 at
 DeepSeek-V3's and Qwen3's sizes."""
 
@@ -44,7 +44,7 @@ def _case(rng, t, k, h, frac, *, spare=5):
 
 
 def _xla_combine(y, rows, w, valid, out_dtype):
-  """combine / combine_slots of jaxfp8.moe.layer, in jnp (the XLA the kernel stands in for), each product behind an
+  """combine / combine_slots of jaxfp8.moe.combine, in jnp (the XLA the kernel stands in for), each product behind an
   optimization barrier: XLA's CPU compiler contracts a multiply and the add it feeds into an FMA in some fusions
   (T=11, k=3, H=256 here), and the kernel rounds the product first, as the formula reads."""
   t, k = rows.shape

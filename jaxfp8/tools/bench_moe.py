@@ -251,11 +251,8 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
   key = jax.random.key(seed)
   weights = _layer_values(layer, jax.random.fold_in(key, 0))
   route = _route_fn(layer)
-  def time_us(fn, arg_sets):
-    """(us, the kernels and their share on the GPU, else None)."""
-    if timer is not None:
-      return timer(fn, arg_sets, iterations=iterations), None
-    return timing.median_kernel_us_and_kernels(fn, arg_sets, iterations=iterations)
+  def time_us(fn, arg_sets):  # (us, the kernels on the GPU, else None)
+    return timing.timed(fn, arg_sets, iterations=iterations, timer=timer)
   rng = np.random.default_rng(seed)
   bf16_weights: list = []
   rows: list[dict] = []
@@ -301,16 +298,9 @@ def _time_layer(plan, route, values, check, time_us, counts, record) -> None:
     checked = _check(fn(*args), *check)
     us, kernels = time_us(fn, [args])
     record("layer", "ours", us=us, flops=counts["flops"], bytes=counts["bytes"], plan=str(plan),
-           **_kernel_fields(kernels), **checked)
+           **bench_report.kernel_fields(kernels), **checked)
   except Exception as e:  # a failing contender is reported, not fatal for the others
     record("layer", "ours", error=f"{type(e).__name__}: {str(e)[:300]}")
-
-
-def _kernel_fields(kernels: list[dict] | None) -> dict:
-  """A timed row's kernels (GPU only): how many it launches per call and each one's name and time."""
-  if kernels is None:
-    return {}
-  return dict(kernel_launches=sum(k["launches_per_call"] for k in kernels), kernels=kernels)
 
 
 def _time_steps(steps, values, check, time_us, counts, record) -> None:
@@ -324,7 +314,7 @@ def _time_steps(steps, values, check, time_us, counts, record) -> None:
       return
     total += us
     gemm_us += us if step.gemm else 0.0
-    record(step.name, "part", us=us, step=True, **_kernel_fields(kernels), **counts.get(step.name, {}))
+    record(step.name, "part", us=us, step=True, **bench_report.kernel_fields(kernels), **counts.get(step.name, {}))
   record("steps_summed", "summary", us=total, non_gemm_share=(total - gemm_us) / total, **_check(values["out"], *check))
 
 
@@ -339,7 +329,7 @@ def _time_mosaic_combine(layer: Layer, t: int, values, time_us, record) -> None:
     args = tuple(values[name] for name in ("y", "d", "ids", "weights"))
     same = np.asarray(fn(*args)).view(np.uint16).tobytes() == np.asarray(values["out"]).view(np.uint16).tobytes()
     us, kernels = time_us(fn, [args])
-    record("combine_mosaic", "part", us=us, step=True, bit_identical_to_xla=same, **_kernel_fields(kernels))
+    record("combine_mosaic", "part", us=us, step=True, bit_identical_to_xla=same, **bench_report.kernel_fields(kernels))
   except Exception as e:  # reported, not fatal for the other rows
     record("combine_mosaic", "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
 

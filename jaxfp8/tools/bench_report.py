@@ -20,6 +20,13 @@ KEEP = ("us", "rel_err", "bound", "within_bound", "error", "note", "plan", "kern
         "valid_vs_exact", "y_rel_err", "codes_off", "scales_exact", "step", "bit_identical_to_xla")
 
 
+def kernel_fields(kernels: list[dict] | None) -> dict:
+  """A timed row's kernels (GPU only, `timing.timed`): how many it launches per call and each one's name and time."""
+  if kernels is None:
+    return {}
+  return dict(kernel_launches=sum(k["launches_per_call"] for k in kernels), kernels=kernels)
+
+
 def unify(op: str, raw_rows: Sequence[dict], roles: Mapping[str, str]) -> list[dict]:
   """The bench rows of one op's raw rows (summary rows of an op's own, `summary=True`, stay in its raw results)."""
   out = []

@@ -71,7 +71,6 @@ def run(case, implementations: Sequence[str], *, block_size=(128, 128), iteratio
   """Raw rows of every contender at every (bucket, live) of one weight `case` = (name, N, K, cases)."""
   name, n, k, cases = case
   block_size = tuple(block_size)
-  timer = timer or timing.median_kernel_us
   key = jax.random.key(seed)
   weights = [bench_gemm.make_weight(jax.random.fold_in(key, i), n, k, block_size)
              for i in range(bench_gemm.rotation_sets(n * k, 0))]
@@ -97,7 +96,10 @@ def run(case, implementations: Sequence[str], *, block_size=(128, 128), iteratio
         out = fn(*arg_sets[0])
         # Only valid_rows promises zeros past the live rows; the others computed real rows there.
         row.update(_check(out if contender == "bucket_valid" else out[:live], xs[0], *weights[0], live, block_size))
-        row["us"] = times[contender] = timer(fn, arg_sets, iterations=iterations)
+        # the kernels (GPU) say what the call costs beyond the GEMM (the live-row count's switch, the quantizer)
+        row["us"], kernels = timing.timed(fn, arg_sets, iterations=iterations, timer=timer)
+        times[contender] = row["us"]
+        row.update(bench_report.kernel_fields(kernels))
       except Exception as e:  # a failing contender is reported, not fatal for the others
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       rows.append(row)

@@ -111,6 +111,15 @@ def median_kernel_us_and_kernels(
   return statistics.median(_per_call_totals(records, iterations)), kernel_breakdown(records, iterations)
 
 
+def timed(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, iterations: int,
+          timer: Callable[..., float] | None = None) -> tuple[float, list[dict] | None]:
+  """(us, kernels): CUPTI's median and the kernels (`median_kernel_us_and_kernels`) when `timer` is None (a GPU),
+  else `timer`'s time and None."""
+  if timer is not None:
+    return timer(fn, arg_sets, iterations=iterations), None
+  return median_kernel_us_and_kernels(fn, arg_sets, iterations=iterations)
+
+
 def kernel_names(fn: Callable[..., Any], args: tuple, *,
                  sync: Callable[[Any], None] = jax.block_until_ready) -> list[str]:
   """Names of the kernels one call of `fn(*args)` launches (to check that a timed call ran what we think)."""
