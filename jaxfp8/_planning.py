@@ -4,8 +4,25 @@ each op's planner."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from types import ModuleType
+from typing import Any, ClassVar
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """The plan of a layer's step that XLA or one kernel runs (subclasses name the step in STEP)."""
+  implementation: str
+  config: Any
+  interpret: bool
+  reason: str
+  STEP: ClassVar[str] = "step"
+
+  def __str__(self) -> str:
+    mode = " (interpreted)" if self.interpret and self.implementation != "xla" else ""
+    config = f"; config {self.config}" if self.config is not None else ""
+    return f"{self.implementation} {self.STEP}{mode}: {self.reason}{config}"
 
 
 def requested(implementation: str | None, config, backends: Mapping[str, ModuleType], *, option: str,

@@ -8,14 +8,12 @@ The planner runs XLA's unless the Mosaic combine is asked for (`MoeOptions.combi
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import _platform
+from jaxfp8 import _planning, _platform
 
 KERNEL_MODULE = "pallas_kernels.combine_rows_mosaic"
 IMPLEMENTATIONS = ("mosaic", "xla")
@@ -27,17 +25,8 @@ def _kernel():
   return importlib.import_module(KERNEL_MODULE)
 
 
-@dataclasses.dataclass(frozen=True)
-class CombinePlan:
-  implementation: str
-  config: Any
-  interpret: bool
-  reason: str
-
-  def __str__(self) -> str:
-    mode = " (interpreted)" if self.interpret and self.implementation != "xla" else ""
-    config = f"; config {self.config}" if self.config is not None else ""
-    return f"{self.implementation} combine{mode}: {self.reason}{config}"
+class CombinePlan(_planning.StepPlan):
+  STEP = "combine"
 
 
 def plan(asked: str | None, tokens: int, top_k: int, hidden: int, out_dtype, device: _platform.Device,

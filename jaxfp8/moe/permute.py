@@ -7,14 +7,12 @@ after the first, but every row is written). The scales, a few bytes per row, are
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxfp8 import _platform
+from jaxfp8 import _planning, _platform
 
 KERNEL_MODULE = "pallas_kernels.gather_rows_mosaic"
 
@@ -23,17 +21,8 @@ def _kernel():
   return importlib.import_module(KERNEL_MODULE)
 
 
-@dataclasses.dataclass(frozen=True)
-class PermutePlan:
-  implementation: str
-  config: Any
-  interpret: bool
-  reason: str
-
-  def __str__(self) -> str:
-    mode = " (interpreted)" if self.interpret and self.implementation != "xla" else ""
-    config = f"; config {self.config}" if self.config is not None else ""
-    return f"{self.implementation} row gather{mode}: {self.reason}{config}"
+class PermutePlan(_planning.StepPlan):
+  STEP = "row gather"
 
 
 def plan(gemm_implementation: str, hidden: int, device: _platform.Device, interpret: bool) -> PermutePlan:
