@@ -20,6 +20,16 @@ def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mats[0])(varying=varying))
 
 
+def interpret_mode_forced() -> bool:
+  """Whether `plgpu.force_gpu_interpret_mode()` / `set_gpu_interpret_mode()` makes every kernel interpret (a kernel
+  then must not pass interpret params of its own)."""
+  try:
+    from jax._src import config as jax_config
+    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+  except AttributeError:  # a JAX without that switch has no forced interpret mode
+    return False
+
+
 def store_unoptimized(ref, value) -> None:
   """ref[...] = value in a Mosaic GPU kernel, whatever the transfer's coalescing or bank conflicts.
 

@@ -1,4 +1,5 @@
-"""MoE combine for Hopper (sm_90) in Pallas Mosaic GPU: out[t] = sum over valid slots j, in order, of w[t, j] * y[rows[t, j]].
+"""MoE combine for Hopper (sm_90) in Pallas Mosaic GPU: out[t] = the sum over valid slots j, in order, of
+w[t, j] * y[rows[t, j]].
 
 The MoE layer's last step. y (R, H) float32 holds the experts' result rows in expert order; rows (T, k) says which
 row of y each token's slot reads, weights (T, k) its float32 weight, valid (T, k) whether it has an expert at all.
@@ -40,6 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from ._jax_compat import interpret_mode_forced
 
 LANE = 128  # elements of a box's inner dimension
 MAX_BOX = 256  # TMA's most elements along one dimension
@@ -97,15 +100,6 @@ def smem_bytes(h: int, k: int, out_dtype, config: CombineRowsConfig) -> int:
   cols = min(config.block_cols, h)
   return (ring_stages(k, config) * cols * 4 + _OUT_BUFFERS * cols * jnp.dtype(out_dtype).itemsize
           + 3 * MAX_BOX * 4)
-
-
-def _interpret_mode_forced() -> bool:
-  """Whether `plgpu.force_gpu_interpret_mode()` / `set_gpu_interpret_mode()` makes every kernel interpret."""
-  try:
-    from jax._src import config as jax_config
-    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
-  except AttributeError:  # a JAX without that switch has no forced interpret mode
-    return False
 
 
 def problems(t: int, k: int, h: int, *, y_dtype=jnp.float32, out_dtype=jnp.bfloat16,
@@ -242,7 +236,8 @@ def combine_rows(y: jax.Array, rows: jax.Array, weights: jax.Array, valid: jax.A
   # memory instead.
   box = -(-(bt * k + _meta_slack(k)) // _META_QUANTUM) * _META_QUANTUM
   meta_in_smem = t * k >= box and t * k % _META_ALIGN == 0
-  interpret = bool(interpret) or _interpret_mode_forced()
+  forced_interpret = interpret_mode_forced()
+  interpret = bool(interpret) or forced_interpret
 
   # Column chunks go to CUDA's x (launched fastest): neighbouring CTAs read the same tokens' slots. CUDA's y stops
   # at 65535, so very many token blocks go to x instead.
@@ -256,7 +251,7 @@ def combine_rows(y: jax.Array, rows: jax.Array, weights: jax.Array, valid: jax.A
     scratch += [plgpu.SMEM((box,), jnp.int32), plgpu.SMEM((box,), jnp.int32), plgpu.SMEM((box,), jnp.float32),
                 plgpu.Barrier(num_barriers=3)]
   # Under plgpu.force_gpu_interpret_mode(params) the kernel must not override the forced params.
-  interpret_params: Any = plgpu.InterpretGPUParams() if interpret and not _interpret_mode_forced() else None
+  interpret_params: Any = plgpu.InterpretGPUParams() if interpret and not forced_interpret else None
   body = functools.partial(_kernel, t=t, k=k, h=h, bt=bt, bc=bc, stages=stages, box=box, meta_in_smem=meta_in_smem,
                            strided=strided, out_dtype=out_dtype, interpret=interpret)
   f = plgpu.kernel(

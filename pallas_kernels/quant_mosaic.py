@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import exact_division
-from ._jax_compat import store_unoptimized
+from ._jax_compat import interpret_mode_forced, store_unoptimized
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -266,15 +266,6 @@ def _silu_and_mul(gate, up):
   return (silu.astype(dtype).astype(jnp.float32) * up.astype(jnp.float32)).astype(dtype)
 
 
-def _interpret_mode_forced() -> bool:
-  """Whether `plgpu.force_gpu_interpret_mode()` / `set_gpu_interpret_mode()` makes every kernel interpret."""
-  try:
-    from jax._src import config as jax_config
-    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
-  except AttributeError:  # a JAX without that switch has no forced interpret mode
-    return False
-
-
 def problems(*, group_size: int, scale_layout: str, scale_ue8m0: bool) -> list[str]:
   """What this kernel cannot do for a quantization problem (empty: nothing)."""
   found = []
@@ -352,7 +343,7 @@ def per_token_group_quant(
   if scale_layout != "row" and scale_cols < out_rows:
     raise ValueError(f"scale_cols={scale_cols} must be >= out_rows={out_rows}")
   # Under plgpu.force_gpu_interpret_mode(params) the kernel must not override the forced params.
-  forced_interpret = _interpret_mode_forced()
+  forced_interpret = interpret_mode_forced()
   interpret_params = plgpu.InterpretGPUParams() if interpret and not forced_interpret else None
   interpret = bool(interpret) or forced_interpret
   fuse = fuse_silu_and_mul

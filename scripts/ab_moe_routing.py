@@ -1,8 +1,9 @@
 """A/B on the GPU of the MoE layer's route and dispatch: the compare-and-count versions (jaxfp8/moe) against the
 sort-based ones they replaced (lax.top_k, argsort), compile time and CUPTI kernel time, one case per process:
 `python3 scripts/ab_moe_routing.py CASE T [any]` with CASE in route_ds_new, route_ds_old, route_qw_new, route_qw_old,
-dispatch_{new,old,cumsum} (E=32 of 256-expert ids), dispatch128_{new,old,cumsum} (E=128). A third argument "any" lifts routing.PAIRWISE_MAX_COMPARES: the compare-and-count ops at every size (past
-it the library runs the sort-based ones)."""
+dispatch_{new,old,cumsum} (E=32 of 256-expert ids), dispatch128_{new,old,cumsum} (E=128). A third argument "any"
+lifts routing.PAIRWISE_MAX_COMPARES: the compare-and-count ops at every size (past it the library runs the
+sort-based ones)."""
 import sys
 import time
 
@@ -20,7 +21,8 @@ def ds_old(logits, bias, r=moe.DeepSeekV3Router()):
   t, e = scores.shape
   choice = scores + bias[None]
   group_scores = lax.top_k(choice.reshape(t, r.n_group, e // r.n_group), 2)[0].sum(-1)
-  allowed = jnp.zeros((t, r.n_group), bool).at[jnp.arange(t)[:, None], lax.top_k(group_scores, r.topk_group)[1]].set(True)
+  best_groups = lax.top_k(group_scores, r.topk_group)[1]
+  allowed = jnp.zeros((t, r.n_group), bool).at[jnp.arange(t)[:, None], best_groups].set(True)
   ids = lax.top_k(jnp.where(jnp.repeat(allowed, e // r.n_group, axis=1), choice, -jnp.inf), r.top_k)[1]
   w = jnp.take_along_axis(scores, ids, axis=1)
   return ids, w / w.sum(-1, keepdims=True) * 2.5
@@ -46,7 +48,8 @@ def dispatch_cumsum(ids, experts):
   buckets = jnp.arange(experts + 1, dtype=jnp.int32)
   counts = jnp.cumsum((key[None, :] == buckets[:, None]).astype(jnp.int32), axis=1)  # (E + 1, n) inclusive
   sizes = counts[:, -1]
-  lower = lax.broadcasted_iota(jnp.int32, (experts + 1,) * 2, 1) < lax.broadcasted_iota(jnp.int32, (experts + 1,) * 2, 0)
+  square = (experts + 1,) * 2
+  lower = lax.broadcasted_iota(jnp.int32, square, 1) < lax.broadcasted_iota(jnp.int32, square, 0)
   offsets = jnp.sum(jnp.where(lower, sizes[None, :], 0), axis=1)
   rank = offsets[key] + counts[key, jnp.arange(n)] - 1
   order = jnp.zeros_like(rank).at[rank].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)

@@ -1,7 +1,7 @@
-"""The Mosaic GPU combine (pallas_kernels/combine_rows_mosaic.py), the MoE layer's last step: interpreted on CPU (natively
-on a Hopper GPU) against the XLA formula of `jaxfp8.moe.combine.combine_slots`, bit for bit, on random slots whose
-invalid ones carry NaN/inf weights and rows of NaN (or out of range) that must never be read; lowered for an H200 at
-DeepSeek-V3's and Qwen3's sizes."""
+"""The Mosaic GPU combine (pallas_kernels/combine_rows_mosaic.py), the MoE layer's last step: interpreted on CPU
+(natively on a Hopper GPU) against the XLA formula of `jaxfp8.moe.combine.combine_slots`, bit for bit, on random
+slots whose invalid ones carry NaN/inf weights and rows of NaN (or out of range) that must never be read; lowered
+for an H200 at DeepSeek-V3's and Qwen3's sizes."""
 
 from __future__ import annotations
 
@@ -179,7 +179,8 @@ def test_problems_name_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"block_tokens": 0}, "block_tokens"), ({"block_tokens": 2.0}, "block_tokens"), ({"block_tokens": True}, "block_tokens"),
+    ({"block_tokens": 0}, "block_tokens"), ({"block_tokens": 2.0}, "block_tokens"),
+    ({"block_tokens": True}, "block_tokens"),
     ({"block_cols": 100}, "block_cols"), ({"block_cols": 0}, "block_cols"), ({"block_cols": 128 * 257}, "block_cols"),
     ({"num_stages": 0}, "num_stages"), ({"num_stages": 65}, "num_stages"),
 ])

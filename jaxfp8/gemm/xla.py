@@ -13,7 +13,8 @@ mantissas, then by their power of two in two halves of one sign, so that a term 
 its exact value does (docs/CONTRACT.md §2). A call whose scale products are all normal float32 numbers (the usual
 case) takes the plain P_g * (a_s * b_s) instead, which is then the same number. The products of fp8 codes are exact
 in float32 and each group sums at most gk of them; with power-of-two scales and small integer codes (the exactness
-check) every partial sum is exact, so the result is bit-exact. `Precision.HIGHEST` matters on GPUs, where XLA's default float32 dot may run in TF32.
+check) every partial sum is exact, so the result is bit-exact. `Precision.HIGHEST` matters on GPUs, where XLA's
+default float32 dot may run in TF32.
 
 Also the backend interface the planner asks (`unavailable`, `unsupported`, `default_config_for`, `launch`).
 """

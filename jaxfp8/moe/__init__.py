@@ -16,5 +16,5 @@ from jaxfp8.moe.parallel import expert_parallel_fp8_moe
 from jaxfp8.moe.planner import MoeOptions, MoePlan
 from jaxfp8.moe.routing import DeepSeekV3Router, Qwen3MoeRouter, Router
 
-__all__ = ["layer", "fp8_moe", "fp8_moe_from_logits", "explain", "expert_parallel_fp8_moe", "transformable", "MoeOptions",
-           "MoePlan", "DeepSeekV3Router", "Qwen3MoeRouter", "Router"]
+__all__ = ["layer", "fp8_moe", "fp8_moe_from_logits", "explain", "expert_parallel_fp8_moe", "transformable",
+           "MoeOptions", "MoePlan", "DeepSeekV3Router", "Qwen3MoeRouter", "Router"]

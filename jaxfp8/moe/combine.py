@@ -1,6 +1,6 @@
 """The MoE layer's combine (jaxfp8/moe/layer.py): each token's k result rows, weighted and summed in slot order.
 
-Two implementations of the one formula (docs/CONTRACT.md §8; `layer.combine_slots`): "xla", a gather of every slot's
+Two implementations of the one formula (docs/CONTRACT.md §8; `combine_slots`): "xla", a gather of every slot's
 row (a slot of no local expert gathers row 0, then selects it away) and the sum; "mosaic", the Mosaic GPU combine
 (pallas_kernels/combine_rows_mosaic.py), which reads only the valid slots' rows and writes each output row once.
 The planner runs XLA's unless the Mosaic combine is asked for (`MoeOptions.combine_implementation`).

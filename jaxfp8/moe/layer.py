@@ -56,13 +56,19 @@ def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
     earlier = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
     before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & earlier)
     rank = jnp.sum(before, axis=1, dtype=jnp.int32)
-    order = jnp.zeros_like(rank).at[rank].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+    order = _inverse(rank)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
   else:
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    rank = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+    rank = _inverse(order)
     group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
   return Dispatch(order, rank, group_sizes, jnp.sum(group_sizes).astype(jnp.int32))
+
+
+def _inverse(permutation: jax.Array) -> jax.Array:
+  """The inverse of a permutation of [0, n): one scatter."""
+  n = permutation.shape[0]
+  return jnp.zeros_like(permutation).at[permutation].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
 
 
 def quantize(x: jax.Array, plan) -> tuple[jax.Array, jax.Array]:

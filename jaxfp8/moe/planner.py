@@ -106,14 +106,16 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
                                                               options.quant_implementation, "grouped GEMM")
   layout = dict(scale_layout="col" if column_major else "row", scale_tma_aligned=column_major)
 
-  def quant_plan(m, k_in, fused):
-    # h's rows past the live ones are never read (the down GEMM neither computes nor stores them)
+  def quant_plan(m, k_in, fused, pad_rows_written):
     p = quant.problem(1, m, k_in, x_dtype, group_size=gk, eps=quant.planner.DEFAULT_EPS, fuse_silu_and_mul=fused,
-                      pad_rows_written=not fused, **layout)
+                      pad_rows_written=pad_rows_written, **layout)
     return quant.plan(p, implementation=quant_implementation, interpret=interpret, device=device,
                       reason=quant_reason, option="quant_implementation")
 
-  return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name,
-                 quant_plan(tokens, hidden, False), gate_up, quant_plan(rows, 2 * intermediate, True), down,
+  quant_x = quant_plan(tokens, hidden, False, True)
+  # h's rows past the live ones are read by nothing (the down GEMM neither computes nor stores them)
+  quant_h = quant_plan(rows, 2 * intermediate, True, False)
+  return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name, quant_x, gate_up,
+                 quant_h, down,
                  permute.plan(implementation, hidden, device, interpret),
                  combine.plan(options.combine_implementation, tokens, top_k, hidden, x_dtype, device, interpret))

@@ -104,7 +104,7 @@ flags.DEFINE_string("out", None, "Results JSON to write (a .md table goes beside
 # ---- what to run -----------------------------------------------------------------------------------------------------
 
 # the implementations whose kernel configs --gemm_configs times, per op
-CONFIG_IMPLEMENTATIONS = {"gemm": ("mosaic", "triton"), "grouped": ("mosaic", "masked_mosaic")}
+CONFIG_IMPLEMENTATIONS = {"gemm": bench_gemm.CONFIG_IMPLEMENTATIONS, "grouped": ("mosaic", "masked_mosaic")}
 
 
 def unavailable(name: str, on_gpu: bool) -> str | None:
@@ -127,8 +127,8 @@ def runnable_implementations(op: str, on_gpu: bool) -> tuple[str, ...]:
 def select_implementations(requested: Sequence[str] | None, ops: Sequence[str], on_gpu: bool,
                            gemm_configs: Sequence[str] = ()) -> dict[str, list[str]]:
   """Per op, the requested names that op knows (a name may serve several ops), or every runnable one; the gemm and
-  grouped ops also time the config contenders of `gemm_configs` that are theirs (CONFIG_IMPLEMENTATIONS). A requested name no op knows is a UsageError; one that
-  cannot run here a CommandError."""
+  grouped ops also time the config contenders of `gemm_configs` that are theirs (CONFIG_IMPLEMENTATIONS). A
+  requested name no op knows is a UsageError; one that cannot run here a CommandError."""
   if requested:
     known = {name for op in ops for name in IMPLEMENTATIONS[op]}
     unknown = [name for name in requested if name not in known]
@@ -140,10 +140,9 @@ def select_implementations(requested: Sequence[str] | None, ops: Sequence[str], 
   for op, bases in CONFIG_IMPLEMENTATIONS.items():
     if op in chosen:
       chosen[op] += [name for name in gemm_configs if name.split("[")[0] in bases]
-  if gemm_configs and not any(name in chosen.get(op, ()) for op in ("gemm", "grouped") for name in gemm_configs):
-    raise args.UsageError(f"--gemm_configs: none of {list(gemm_configs)} is a config of the gemm op "
-                          f"({', '.join(CONFIG_IMPLEMENTATIONS['gemm'])}) or the grouped op "
-                          f"({', '.join(CONFIG_IMPLEMENTATIONS['grouped'])}) among --ops")
+  if gemm_configs and not any(name in chosen.get(op, ()) for op in CONFIG_IMPLEMENTATIONS for name in gemm_configs):
+    ops_text = " or ".join(f"the {op} op's ({', '.join(bases)})" for op, bases in CONFIG_IMPLEMENTATIONS.items())
+    raise args.UsageError(f"--gemm_configs: none of {list(gemm_configs)} is a config of {ops_text} among --ops")
   asked = [name for op in ops for name in chosen[op] if requested or "[" in name]
   why = sorted({reason for name in asked if (reason := unavailable(name, on_gpu))})
   if why:

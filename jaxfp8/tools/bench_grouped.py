@@ -38,8 +38,7 @@ CONTENDERS = ("mosaic", "xla", "masked_mosaic", "masked_mosaic_live", "ragged_do
               "dense_same_rows")
 MASKED = ("masked_mosaic", "masked_mosaic_live")
 ROLES = {"mosaic": "ours", "xla": "ours", "masked_mosaic": "ours", "masked_mosaic_live": "ours",
-         "ragged_dot_bf16": "baseline",
-         "pallas_ragged_bf16": "baseline", "dense_same_rows": "reference"}
+         "ragged_dot_bf16": "baseline", "pallas_ragged_bf16": "baseline", "dense_same_rows": "reference"}
 ROUTINGS = ("balanced", "skewed")
 HBM_BYTES_PER_S = bench_gemm.HBM_BYTES_PER_S
 FP8_DENSE_TFLOPS = 1979.0
