@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -78,13 +79,24 @@ def smem_bytes(config: MosaicGemmConfig, out_dtype) -> int:
 # ------------------------------------------------------------------------------------------- the work-item prologue
 
 
+def _inclusive_sum(x: jax.Array) -> jax.Array:
+  """cumsum of a short int32 vector as one fused masked sum over (n, n): XLA's GPU cumsum of a few hundred entries
+  is a reduce-window kernel several times slower than the whole of this prologue's other ops."""
+  n = x.shape[0]
+  if n > 1024:
+    return jnp.cumsum(x)
+  upto = lax.broadcasted_iota(jnp.int32, (n, n), 1) <= lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  return jnp.sum(jnp.where(upto, x[None, :], 0), axis=1, dtype=x.dtype)
+
+
 def ragged_segments(group_sizes: jax.Array, m: int, zero_unowned_rows: bool = True) -> tuple[jax.Array, ...]:
   """(batch, group, lo, hi) of the ragged layout: the E groups in order, then (with zero_unowned_rows) the zero rows
   past them."""
   num_groups = group_sizes.shape[0]
   sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)  # clipped first: the cumulative sum cannot overflow
-  ends = jnp.minimum(jnp.cumsum(sizes), m)
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  inclusive = _inclusive_sum(sizes)
+  ends = jnp.minimum(inclusive, m)
+  starts = jnp.minimum(inclusive - sizes, m)  # the previous group's end, without a concatenate kernel
   if not zero_unowned_rows:
     return jnp.zeros((num_groups,), jnp.int32), jnp.arange(num_groups, dtype=jnp.int32), starts, ends
   total = ends[-1:] if num_groups else jnp.zeros((1,), jnp.int32)
@@ -119,7 +131,7 @@ def work_items(segments: tuple[jax.Array, ...], tile_m: int, num_items: int) -> 
   batch, group, lo, hi = segments
   first_block = lo // tile_m
   counts = jnp.where(hi > lo, (jnp.maximum(hi, 1) - 1) // tile_m - first_block + 1, 0)
-  ends = jnp.cumsum(counts)
+  ends = _inclusive_sum(counts)
   index = jnp.arange(num_items, dtype=jnp.int32)
   seg = jnp.minimum(jnp.searchsorted(ends, index, side="right", method="compare_all"), batch.shape[0] - 1)
   real = index < ends[-1]

@@ -126,20 +126,26 @@ def test_qwen3_router_matches_reference(rng, e, top_k, norm):
   _assert_routes(ids, weights, want_ids, want_weights, _margins(probs / probs.sum(-1, keepdims=True), top_k))
 
 
-# (300, 256) is past routing.PAIRWISE_MAX_COMPARES: lax.top_k itself, the chosen entries gathered
+# each form of the choice: the compare-and-count (within routing.PAIRWISE_MAX_COMPARES; (300, 256) is past it), the
+# rounds of argmax (past it, k <= ROUNDS_MAX_K) and lax.top_k itself; the chosen entries picked or gathered
 @pytest.mark.parametrize("shape, k", [((300, 256), 8), ((5, 8, 32), 2), ((7, 8), 4), ((64, 128), 8), ((1, 256), 8),
                                       ((64, 256), 8), ((3, 2), 2)])
 @pytest.mark.parametrize("values", ["normal", "ties", "specials"])
-def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, shape, k, values):
+@pytest.mark.parametrize("form", ["shipped", "rounds", "lax"])
+def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, monkeypatch, shape, k, values, form):
   from jax import lax
   from jaxfp8.moe import routing
+  if form != "shipped":
+    monkeypatch.setattr(routing, "PAIRWISE_MAX_COMPARES", 0)
+    monkeypatch.setattr(routing, "ROUNDS_MAX_K", k if form == "rounds" else 0)
   v = rng.standard_normal(shape).astype(np.float32)
   if values == "ties":
     v = np.round(v * 2) / 2
   if values == "specials":
     flat = v.reshape(-1)
     where = rng.choice(flat.size, max(1, flat.size // 4), replace=False)
-    flat[where] = rng.choice(np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0], np.float32), where.size)
+    least = np.array([0xFFFFFFFF], np.uint32).view(np.float32)[0]  # the NaN whose key is the least int32
+    flat[where] = rng.choice(np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, least], np.float32), where.size)
   want_v, want_i = lax.top_k(jnp.asarray(v), k)
   other = rng.standard_normal(shape).astype(np.float32)
   got_i, got_v, got_other = routing._top_k(jnp.asarray(v), k, jnp.asarray(v), jnp.asarray(other))
@@ -330,10 +336,11 @@ def test_explain_says_what_runs_and_why():
 @needs_mosaic
 @pytest.mark.parametrize("tokens,top_k,e,h,i", [(64, 8, 32, 7168, 2048), (4096, 8, 128, 2048, 768)])
 def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
-  """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200 to its five
-  Mosaic kernels (the tokens' quantizer, the live-row gather, gate_up, the SiLU-and-mul quantizer, down), around
-  them nothing copies the codes (the gather kernel moves them), and gate_up's output goes to the SiLU quantizer as
-  it is."""
+  """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200 to its
+  Mosaic kernels (the tokens' quantizer, the live-row gather, gate_up, the SiLU-and-mul quantizer, down, and from
+  combine.MOSAIC_MIN_TOKENS tokens the combine), around them nothing copies the codes (the gather kernel moves them),
+  and gate_up's output goes to the SiLU quantizer as it is."""
+  from jaxfp8.moe import combine as moe_combine
   if not MOSAIC_QUANT_IMPORTABLE:
     pytest.skip("the Mosaic quantizer does not import here")
   structs = [jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
@@ -347,7 +354,9 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
     exported = jax.export.export(jax.jit(moe.fp8_moe), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == (tokens, h)
   text = exported.mlir_module()
-  assert kernel_calls(text) == ["mosaic_gpu_v2"] * 5, kernel_calls(text)
+  kernels = 5 + (tokens >= moe_combine.MOSAIC_MIN_TOKENS)
+  assert plan.combine.implementation == ("mosaic" if kernels == 6 else "xla"), str(plan)
+  assert kernel_calls(text) == ["mosaic_gpu_v2"] * kernels, kernel_calls(text)
   ops = lowered_ops(text)
   assert ops["f8E4M3FN"] <= {"custom_call", "reshape", "broadcast_in_dim", "optimization_barrier"}, ops
   assert not any("stablehlo.gather" in line and "xf8E4M3FN>" in line for line in text.splitlines())
@@ -364,13 +373,17 @@ def test_dispatch_is_stable_and_puts_outside_ids_last():
   assert int(d.live) == 4
 
 
-@pytest.mark.parametrize("slots, experts, ids_below", [
-    (1, 4, 4), (8, 32, 256), (300, 8, 8), (2048, 128, 130), (2049, 16, 20), (32768, 32, 256)])
-def test_dispatch_is_numpys_stable_argsort(rng, slots, experts, ids_below):
-  # both paths: the pairwise count (up to 2048 slots: routing.PAIRWISE_MAX_COMPARES) and the argsort
+@pytest.mark.parametrize("slots, experts, ids_below, argsort", [
+    (1, 4, 4, False), (8, 32, 256, False), (300, 8, 8, False), (2048, 128, 130, False), (2049, 16, 20, False),
+    (32768, 32, 256, False), (2049, 16, 20, True), (5000, 128, 140, True)])
+def test_dispatch_is_numpys_stable_argsort(rng, monkeypatch, slots, experts, ids_below, argsort):
+  # every path: the pairwise count (up to 2048 slots: routing.PAIRWISE_MAX_COMPARES), the running count per expert,
+  # and (past layer.COUNTING_MAX_ENTRIES, lowered here) the argsort
+  if argsort:
+    monkeypatch.setattr(moe_layer, "COUNTING_MAX_ENTRIES", (experts + 1) * slots - 1)
   ids = rng.integers(-3, ids_below, slots).astype(np.int32)
   ids[rng.random(slots) < 0.1] = rng.integers(0, experts)  # a crowded expert
-  d = jax.jit(moe_layer.dispatch, static_argnums=1)(jnp.asarray(ids), experts)
+  d = jax.jit(lambda i: moe_layer.dispatch(i, experts))(jnp.asarray(ids))  # a new function: traced anew
   key = np.where((ids >= 0) & (ids < experts), ids, experts)
   order = np.argsort(key, kind="stable")
   np.testing.assert_array_equal(np.asarray(d.order), order)
@@ -588,6 +601,21 @@ def test_the_mosaic_combine_is_the_xla_combine_bit_for_bit(rng):
     moe_combine.plan("mosaic", t, k, 200, jnp.bfloat16, _platform.device(), True)
   with pytest.raises(ValueError, match="combine_implementation"):
     moe_planner.MoeOptions(combine_implementation="cuda")
+
+
+@pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="needs jax.experimental.pallas.mosaic_gpu")
+def test_the_combine_planner_runs_mosaic_from_its_token_threshold_on_hopper():
+  from jaxfp8.moe import combine as moe_combine
+  h200, cpu = fake_device((9, 0)), fake_device(None)
+  at = moe_combine.MOSAIC_MIN_TOKENS
+  for tokens, device, want in ((at, h200, "mosaic"), (at - 1, h200, "xla"), (4096, cpu, "xla"), (1, h200, "xla")):
+    p = moe_combine.plan(None, tokens, 8, 7168, jnp.bfloat16, device, False)
+    assert p.implementation == want, (tokens, device, str(p))
+  assert "needs a Hopper" in moe_combine.plan(None, 4096, 8, 7168, jnp.bfloat16, cpu, False).reason
+  assert f"< {at}" in moe_combine.plan(None, at - 1, 8, 7168, jnp.bfloat16, h200, False).reason
+  # a hidden size the kernel cannot tile falls back to XLA's, saying why
+  assert moe_combine.plan(None, 4096, 8, 200, jnp.bfloat16, h200, False).implementation == "xla"
+  assert moe_combine.plan("xla", 4096, 8, 7168, jnp.bfloat16, h200, False).implementation == "xla"
 
 
 def _combine_case(rng, out_dtype):

@@ -31,6 +31,8 @@ from jaxfp8.moe import routing
 
 STEPS = ("dispatch", "quantize", "permute", "gate_up", "silu_quant", "down", "combine")
 GEMM_STEPS = ("gate_up", "down")
+# The largest (E + 1) x R running-count table dispatch builds (int32: 256 MiB); past it a stable argsort.
+COUNTING_MAX_ENTRIES = 1 << 26
 
 
 class Dispatch(NamedTuple):
@@ -43,12 +45,13 @@ class Dispatch(NamedTuple):
 
 def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
   """The slots of slot_ids (any shape, int32 expert ids; an id outside [0, E) belongs to no expert here) sorted by
-  expert, stable, the slots of no expert last.
+  expert, stable, the slots of no expert last: a counting sort, no sort kernel, in one of two forms.
 
-  With few slots (the comparisons within routing.PAIRWISE_MAX_COMPARES) a counting sort, with no sort kernel: a
-  slot's expert-order row is the number of slots that go before it (those of a lower expert, and those of its own
-  expert at a lower slot), one fused reduction over (R, R); the order is then one scatter of the rows. With more, a
-  stable argsort."""
+  A slot's expert-order row is the number of slots that go before it: those of a lower expert (its expert's offset)
+  and those of its own expert at a lower slot. With few slots (R x R within routing.PAIRWISE_MAX_COMPARES) that
+  count is one fused reduction over (R, R); with more, a running count per expert (a cumulative sum over (E + 1, R):
+  XLA's GPU cumsum is a scan kernel, a few times faster than the stable argsort it replaced at 4096 tokens), and past
+  COUNTING_MAX_ENTRIES of those a stable argsort. The order is then one scatter of the rows."""
   ids = slot_ids.reshape(-1).astype(jnp.int32)
   n = ids.shape[0]
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
@@ -58,6 +61,16 @@ def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
     rank = jnp.sum(before, axis=1, dtype=jnp.int32)
     order = _inverse(rank)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
+  elif (experts + 1) * n <= COUNTING_MAX_ENTRIES:
+    buckets = jnp.arange(experts + 1, dtype=jnp.int32)
+    running = jnp.cumsum((key[None, :] == buckets[:, None]).astype(jnp.int32), axis=1)  # (E + 1, R), inclusive
+    sizes = running[:, -1]
+    lower = lax.broadcasted_iota(jnp.int32, (experts + 1,) * 2, 1) < lax.broadcasted_iota(jnp.int32,
+                                                                                          (experts + 1,) * 2, 0)
+    offsets = jnp.sum(jnp.where(lower, sizes[None, :], 0), axis=1)  # the slots of lower experts
+    rank = offsets[key] + running[key, jnp.arange(n)] - 1
+    order = _inverse(rank)
+    group_sizes = sizes[:experts]
   else:
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     rank = _inverse(order)

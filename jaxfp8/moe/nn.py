@@ -31,15 +31,17 @@ class Fp8MoE(nnx.Module):
   Args:
     weights: the block's `MoeWeights` (stacked experts, router, optional shared experts).
     router: a `routing.DeepSeekV3Router` (needs weights.correction_bias) or `routing.Qwen3MoeRouter`.
-    implementation, quant_implementation, interpret: as in `jaxfp8.moe.fp8_moe` (and the shared experts' linears).
+    implementation, quant_implementation, interpret: as in `jaxfp8.moe.fp8_moe` (and the shared experts' linears);
+      combine_implementation: as in `fp8_moe` (the routed experts' combine).
     mesh, axis_name: run the routed experts expert-parallel over this mesh axis (tokens and experts split over it).
   """
 
   def __init__(self, weights: MoeWeights, router: routing.Router, *, implementation: str | None = None,
                quant_implementation: str | None = None, interpret: bool | None = None,
-               mesh: jax.sharding.Mesh | None = None, axis_name: str | None = None):
+               mesh: jax.sharding.Mesh | None = None, axis_name: str | None = None,
+               combine_implementation: str | None = None):
     check_moe_weights(weights)
-    planner.MoeOptions(implementation, quant_implementation, interpret)  # the options check themselves
+    planner.MoeOptions(implementation, quant_implementation, interpret, combine_implementation)  # they check
     if not isinstance(router, (routing.DeepSeekV3Router, routing.Qwen3MoeRouter)):
       raise TypeError(f"router must be a DeepSeekV3Router or Qwen3MoeRouter, got {type(router).__name__}")
     if router.uses_correction_bias != (weights.correction_bias is not None):
@@ -58,6 +60,10 @@ class Fp8MoE(nnx.Module):
     self.block_size = tuple(weights.block_size)
     self.options = dict(implementation=implementation, quant_implementation=quant_implementation,
                         interpret=interpret)
+    if mesh is not None and combine_implementation not in (None, "xla"):
+      raise ValueError(f"combine_implementation={combine_implementation!r}: expert parallelism combines each token's "
+                       "rows after their exchange back, in XLA; pass None or 'xla' with a mesh")
+    self.combine_implementation = combine_implementation
     self.mesh, self.axis_name = mesh, axis_name
     self.w13_q = fp8_nn.Fp8Weight(jnp.asarray(weights.w13_q))
     self.w13_s = fp8_nn.Fp8Weight(jnp.asarray(weights.w13_s))
@@ -118,7 +124,8 @@ class Fp8MoE(nnx.Module):
     ids, weights = self.router(logits, bias)
     experts = (self.w13_q[...], self.w13_s[...], self.w2_q[...], self.w2_s[...])
     if self.mesh is None:
-      out = api.fp8_moe(tokens, ids, weights, *experts, self.block_size, **self.options)
+      out = api.fp8_moe(tokens, ids, weights, *experts, self.block_size, **self.options,
+                        combine_implementation=self.combine_implementation)
     else:
       out = parallel.expert_parallel_fp8_moe(tokens, ids, weights, *experts, self.block_size, mesh=self.mesh,
                                              axis_name=self.axis_name, **self.options)

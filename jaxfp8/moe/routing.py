@@ -17,10 +17,12 @@ from jaxfp8 import _checks
 
 
 # The most comparisons a compare-and-count choice (`_top_k` here, the layer's dispatch) makes in one call: the largest
-# measured to compile and run on the H200 (the DeepSeek-V3 router at 64 tokens: 64 x 256 x 256). Past it the
-# sort-based ops run: XLA's GPU compiler stalled on a larger one (the layer at 4096 tokens) and which of its
-# reductions did is not yet measured.
+# measured to compile and run on the H200 (the DeepSeek-V3 router at 64 tokens: 64 x 256 x 256). XLA's GPU compiler
+# did not finish the DeepSeek-V3 router's at 4096 tokens in 45 s.
 PAIRWISE_MAX_COMPARES = 1 << 22
+# Past PAIRWISE_MAX_COMPARES, a top-k with k up to this many runs as k rounds of one fused argmax each; a larger k
+# runs `lax.top_k` (a sort on the GPU).
+ROUNDS_MAX_K = 8
 
 
 def _order_keys(values: jax.Array) -> jax.Array:
@@ -32,13 +34,15 @@ def _order_keys(values: jax.Array) -> jax.Array:
 
 def _top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]:
   """`lax.top_k(values, k)` over the last axis (the k largest, in order, ties to the lower index, NaN by its sign),
-  as (ids, then the chosen entries of each array of `also`, same shape as values). Up to PAIRWISE_MAX_COMPARES,
-  each entry's rank is the count of entries that beat it, so the whole choice is a few fused compare-and-count
-  reductions over (..., n, n): no sort, and at decode a handful of small kernels where a sort-based top-k launches
-  many. Past it, `lax.top_k` itself."""
+  as (ids, then the chosen entries of each array of `also`, same shape as values), bit for bit, in one of three
+  forms. Up to PAIRWISE_MAX_COMPARES, each entry's rank is the count of entries that beat it, so the whole choice is
+  a few fused compare-and-count reductions over (..., n, n): at decode a handful of small kernels where a sort-based
+  top-k launches many. Past it, with k up to ROUNDS_MAX_K, k rounds of one argmax each over the entries not yet
+  taken (a reduction of (free, key, index) triples: one kernel a round, where XLA's GPU top-k sorts every row);
+  else `lax.top_k` itself."""
   n = values.shape[-1]
   if values.size * n > PAIRWISE_MAX_COMPARES:
-    ids = lax.top_k(values, k)[1]
+    ids = _top_k_rounds(values, k) if k <= ROUNDS_MAX_K else lax.top_k(values, k)[1]
     return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also))
   key = _order_keys(values)
   index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
@@ -49,6 +53,32 @@ def _top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]
   # float entries are picked as their bits: every value comes back as it was (-0.0 and a NaN's sign included)
   picked = tuple(lax.bitcast_convert_type(pick(lax.bitcast_convert_type(a, jnp.int32)), a.dtype) for a in also)
   return (pick(jnp.arange(n, dtype=jnp.int32)), *picked)
+
+
+def _better(a, b):
+  """The lexicographic max of two (free, key, index) triples: a free entry, then the larger key, then the lower
+  index (lax.top_k's tie rule). Associative and commutative, so XLA may reduce in any order."""
+  a_free, a_key, a_index = a
+  b_free, b_key, b_index = b
+  a_wins = (a_free > b_free) | ((a_free == b_free) & ((a_key > b_key) | ((a_key == b_key) & (a_index < b_index))))
+  return tuple(jnp.where(a_wins, x, y) for x, y in zip(a, b))
+
+
+def _top_k_rounds(values: jax.Array, k: int) -> jax.Array:
+  """The ids of `lax.top_k(values, k)`: round j takes the best entry not yet taken. The taken flag is part of the
+  reduced triple (not a sentinel key), so every key, the least included, ranks as in lax.top_k."""
+  n = values.shape[-1]
+  key = _order_keys(values)
+  index = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+  taken = jnp.zeros(values.shape, bool)
+  ids = []
+  for _ in range(k):
+    free = jnp.where(taken, 0, 1).astype(jnp.int32)
+    best = lax.reduce((free, key, index), (jnp.int32(-1), jnp.int32(jnp.iinfo(jnp.int32).min), jnp.int32(n)),
+                      _better, (values.ndim - 1,))[2]
+    ids.append(best)
+    taken = taken | (index == best[..., None])
+  return jnp.stack(ids, axis=-1)
 
 
 def _token_rows(router: str, logits) -> tuple[tuple[int, ...], int]:

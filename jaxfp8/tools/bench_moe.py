@@ -67,7 +67,7 @@ CPU_LAYERS = ("tiny",)
 DEFAULT_TOKENS = (1, 64, 4096)
 CPU_TOKENS = (1, 16)
 ROLES = {"layer": "ours", "steps": "part", "ragged_dot_bf16": "baseline", "pallas_ragged_bf16": "baseline"}
-XLA_COMBINE = moe_combine.CombinePlan("xla", None, False, moe_combine.XLA_REASON)
+XLA_COMBINE = moe_combine.CombinePlan("xla", None, False, "the bf16 layers combine as XLA does")
 PALLAS_CONFIGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 1), (128, 256, 64, 4, 8))
 
 
@@ -280,7 +280,7 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     if "steps" in implementations:
       _time_steps(layer_steps(plan, route), values, (fp8_want, pick), time_us, counts, record)
       if _platform.is_hopper() and "out" in values:
-        _time_mosaic_combine(layer, t, values, time_us, record)
+        _time_other_combine(layer, plan, t, values, time_us, record)
     baselines = [b for b in ("ragged_dot_bf16", "pallas_ragged_bf16") if b in implementations]
     if baselines:
       bf16_weights = bf16_weights or [_dequantized(weights["w13_q"], weights["w13_s"]),
@@ -318,20 +318,22 @@ def _time_steps(steps, values, check, time_us, counts, record) -> None:
   record("steps_summed", "summary", us=total, non_gemm_share=(total - gemm_us) / total, **_check(values["out"], *check))
 
 
-def _time_mosaic_combine(layer: Layer, t: int, values, time_us, record) -> None:
-  """The combine step again on the Mosaic combine (MoeOptions.combine_implementation), on the same inputs: its time
-  and whether its output is the XLA combine's, bit for bit."""
+def _time_other_combine(layer: Layer, plan, t: int, values, time_us, record) -> None:
+  """The combine step again on the implementation the plan did not pick (MoeOptions.combine_implementation), on the
+  same inputs: its time, as "combine_<implementation>", and whether its output is the picked one's, bit for bit."""
+  other = "xla" if plan.combine.implementation == "mosaic" else "mosaic"
   try:
-    plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16,
-                            moe_planner.MoeOptions(combine_implementation="mosaic"))
+    other_plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK,
+                                  jnp.bfloat16, moe_planner.MoeOptions(combine_implementation=other))
     fn = jax.jit(lambda y, d, ids, w: moe_layer.combine(y, d, w, (ids >= 0) & (ids < layer.experts), jnp.bfloat16,
-                                                         plan))
+                                                         other_plan))
     args = tuple(values[name] for name in ("y", "d", "ids", "weights"))
     same = np.asarray(fn(*args)).view(np.uint16).tobytes() == np.asarray(values["out"]).view(np.uint16).tobytes()
     us, kernels = time_us(fn, [args])
-    record("combine_mosaic", "part", us=us, step=True, bit_identical_to_xla=same, **bench_report.kernel_fields(kernels))
+    record(f"combine_{other}", "part", us=us, step=True, bit_identical_to_picked=same,
+           **bench_report.kernel_fields(kernels))
   except Exception as e:  # reported, not fatal for the other rows
-    record("combine_mosaic", "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
+    record(f"combine_{other}", "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def _time_bf16(baseline, route, values, bf16_weights, check, time_us, counts, record) -> None:

@@ -16,7 +16,7 @@ BF16_BOUND = 5e-3  # docs/CONTRACT.md §2: relative Frobenius error of a bf16 ou
 KEEP = ("us", "rel_err", "bound", "within_bound", "error", "note", "plan", "kernels", "kernel_launches",
         "rotation_sets", "bytes", "flops", "groups", "routing", "active_experts", "floor_us", "x_floor", "x_weight_floor",
         "layout", "tokens", "local_rows", "weight_stream_us", "x_weight_stream", "non_gemm_share", "bucket", "live", "rows_computed",
-        "valid_vs_exact", "y_rel_err", "codes_off", "scales_exact", "step", "bit_identical_to_xla")
+        "valid_vs_exact", "y_rel_err", "codes_off", "scales_exact", "step", "bit_identical_to_picked")
 
 
 def kernel_fields(kernels: list[dict] | None) -> dict:
