@@ -57,7 +57,8 @@ schedule serves M = 65..128 as two row tiles where its CTAs fill most of a wave 
 
 Live rows (`live_rows`, a traced count; warp-specialized configs): a row tile that starts at or past the count loads
 nothing and runs no wgmma, its consumers store zeros; in a tile that holds the count's boundary the rows past it are
-computed and then stored as 0, the bias not added there. One compiled kernel serves every count.
+computed and then stored as 0, the bias not added there. A persistent grid visits the live row tiles first, so that
+they spread evenly over its CTAs. One compiled kernel serves every count.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, live_gmem, out_gmem,
   m, n = out_gmem.shape  # a_gmem may have zero rows appended (see the module docstring)
   k = a_gmem.shape[1]
   m_iters, n_iters = pl.cdiv(m, cfg.tile_m), pl.cdiv(n, cfg.tile_n)
-  live_rows = None if live_gmem is None else live_gmem[0]
+  # the count clipped to [0, M] here: a clip before the launch would be a kernel launch of its own
+  live_rows = None if live_gmem is None else jnp.minimum(jnp.maximum(live_gmem[0], 0), m)
   slots_type = _epilogue_smem(cfg.num_compute_wgs, out_gmem.dtype, cfg.epi_n(out_gmem.dtype))
 
   def body(compute_tile, slots, wg_idx, wg_origin):
@@ -180,7 +182,12 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, live_gmem, out_gmem,
         n_idx = 2 * n_idx + lax.axis_index("cluster")
       tile(m_idx, n_idx)
 
-    tile_loop(cfg, _loop_shape(cfg, m_iters, n_iters), pair)
+    shape = _loop_shape(cfg, m_iters, n_iters)
+    live_loop_rows = None
+    if live_rows is not None:  # the loop rows holding a live row (pairs of row tiles with a cluster along M)
+      rows_per_loop_row = cfg.tile_m * (2 if cfg.cluster_dim == Dim.M else 1)
+      live_loop_rows = jnp.minimum(lax.div(live_rows + rows_per_loop_row - 1, jnp.int32(rows_per_loop_row)), shape[0])
+    tile_loop(cfg, shape, pair, live_loop_rows)
 
   warp_specialized(cfg, (a_gmem, b_gmem, as_gmem), slots_type, body, num_k_blocks=k // BLOCK,
                    num_n_blocks=n // BLOCK)
@@ -279,7 +286,7 @@ def block_fp8_matmul(
     return f(*args)
 
   if live_rows is not None:
-    args += (jnp.clip(jnp.asarray(live_rows).astype(jnp.int32), 0, m).reshape(1),)
+    args += (jnp.asarray(live_rows).astype(jnp.int32).reshape(1),)  # clipped in the kernel
 
   def ws_body(a_gmem, b_gmem, as_gmem, bs_gmem, *rest):
     bias_gmem = rest[0] if bias is not None else None

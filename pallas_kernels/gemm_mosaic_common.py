@@ -409,17 +409,40 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every TMA store lands before the kernel exits
 
 
-def tile_loop(cfg: MosaicGemmConfig, shape: tuple[int, int], tile):
+def tile_loop(cfg: MosaicGemmConfig, shape: tuple[int, int], tile, live_loop_rows=None):
   """Calls tile(i, j) for every (i, j) of `shape`: on a persistent grid in `plgpu.planar_snake` order (the grid is
-  named "sm"), else once in the CTA of grid position ("m", "n") = (i, j)."""
+  named "sm"), else once in the CTA of grid position ("m", "n") = (i, j).
+
+  live_loop_rows: a traced count of the loop rows that hold live work (the rest are cheap: zeros to store). The
+  persistent loop then visits those rows' tiles first and the rest after them (`live_first_order`), so that the live
+  tiles spread evenly over the CTAs whatever the count."""
   if cfg.persistent:
     @plgpu.nd_loop((shape[0] * shape[1],), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (lin_idx,) = loop_info.index
-      i, j = plgpu.planar_snake(lin_idx, shape, int(cfg.grid_minor_dim), cfg.grid_tile_width)
+      if live_loop_rows is None:
+        i, j = plgpu.planar_snake(lin_idx, shape, int(cfg.grid_minor_dim), cfg.grid_tile_width)
+      else:
+        i, j = live_first_order(lin_idx, shape, live_loop_rows, int(cfg.grid_minor_dim), cfg.grid_tile_width)
       tile(i, j)
   else:
     tile(lax.axis_index("m"), lax.axis_index("n"))
+
+
+def live_first_order(lin_idx, shape: tuple[int, int], live_rows, minor_dim: int, tile_width: int):
+  """(i, j) of the lin_idx-th tile of `shape` when its first `live_rows` rows (traced, within [0, rows]) come first,
+  in planar-snake order among themselves, then the other rows' tiles row by row.
+
+  In one planar-snake order over the whole shape, a persistent CTA visits tiles at a fixed stride, which can keep it
+  in the same few rows all along: with half the rows live, half the CTAs then did all the work."""
+  cols = shape[1]
+  live_tiles = live_rows * cols
+  # max(., 1): planar_snake divides by the live rows; with none, its result is not used
+  live_i, live_j = plgpu.planar_snake(lin_idx, (jnp.maximum(live_rows, 1), cols), minor_dim, tile_width)
+  rest = lin_idx - live_tiles
+  rest_i, rest_j = live_rows + lax.div(rest, jnp.int32(cols)), lax.rem(rest, jnp.int32(cols))
+  is_live = lin_idx < live_tiles
+  return lax.select(is_live, live_i, rest_i), lax.select(is_live, live_j, rest_j)
 
 
 def kernel_grid(cfg: MosaicGemmConfig, shape: tuple[int, int], num_sms: int, per_cta: int = 1):

@@ -12,7 +12,8 @@ once per JAX version, in one process each:
    `pip --target` has no nvidia/ packages beside it), the persistent compilation cache setting;
 2. each case's kernels under CUPTI, one line per kernel name (median us), so that a slower Mosaic kernel is told
    apart from extra kernels around it;
-3. the PTX and ptxas reports Mosaic GPU writes (MOSAIC_GPU_DUMP_TO / _PTX / _PTXAS, the same names in both
+3. which PTX compiler Mosaic GPU used (its decision log on stderr; whether libnvJitLink is mapped);
+4. the PTX and ptxas reports Mosaic GPU writes (MOSAIC_GPU_DUMP_TO / _PTX / _PTXAS, the same names in both
    versions; the compilation cache is switched off, which would skip the compile and so the dumps), packed into
    OUT/dumps.tar.gz.
 
@@ -33,6 +34,10 @@ if __name__ == "__main__":
   DUMPS.mkdir(parents=True, exist_ok=True)
   # Read by the CUDA plugin when it compiles a Mosaic GPU kernel: set before JAX starts.
   os.environ.update(MOSAIC_GPU_DUMP_TO=str(DUMPS), MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+  # The PTX-to-cubin compiler Mosaic GPU picks (XLA's assemble_compilation_provider logs its decision at VLOG 3-4):
+  # ptxas, or libnvJitLink, which compiles relocatable code and so ignores `setmaxnreg` (ptxas C7504).
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+  os.environ.setdefault("TF_CPP_VMODULE", "assemble_compilation_provider=4,nvjitlink_compilation_provider=3")
 
 import dataclasses  # noqa: E402
 import importlib.metadata  # noqa: E402
@@ -139,6 +144,9 @@ def main() -> int:
       time_case(name, shape, config)
     except Exception as e:  # one failing case must not hide the others' numbers
       log(f"{name} {shape}: FAILED {type(e).__name__}: {str(e)[:300]}")
+  with open("/proc/self/maps") as maps:
+    jitlink = sorted({line.split()[-1] for line in maps if "nvJitLink" in line})
+  log(f"libnvJitLink mapped in this process: {jitlink or 'no'}")
   reports = sorted(DUMPS.glob("*.ptxas"))
   log(f"{len(reports)} ptxas reports, {len(list(DUMPS.glob('*.ptx')))} PTX files in {DUMPS}")
   for report in reports:

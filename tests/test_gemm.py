@@ -357,19 +357,22 @@ def test_valid_rows_under_vmap_counts_each_entry_s_own_rows(rng):
 
 
 def test_live_row_schedules_follow_the_exact_counts_schedule():
-  """A traced count runs the schedule of the first step at or above it; neighbouring steps with one schedule are
-  merged, and every step's schedule is the dense default for that many rows."""
+  """A traced count runs the schedule its whole 64-row tiles would get as a call of their own; each distinct
+  schedule is compiled once."""
   from jaxfp8.gemm import mosaic as mosaic_backend
   if not helpers.MOSAIC_GEMM_IMPORTABLE:
     pytest.skip("pallas_kernels.gemm_mosaic not importable")
-  for rows, n, k in ((4096, 24576, 7168), (256, 7168, 18432), (300, 10240, 5120), (40, 1536, 7168), (8192, 7168, 2048)):
-    schedules = mosaic_backend.live_row_schedules(rows, n, k, jnp.bfloat16, 132).schedules
-    bounds = [b for b, _ in schedules]
-    assert bounds == sorted(set(bounds)) and bounds[-1] == rows
-    assert all(a[1] != b[1] for a, b in zip(schedules, schedules[1:])), "equal neighbours are merged"
-    for step in [s for s in mosaic_backend.LIVE_ROW_STEPS if s < rows] + [rows]:
-      config = next(c for b, c in schedules if b >= step)
-      assert config == mosaic_backend.default_config(step, n, k, jnp.bfloat16, num_sms=132), (rows, step)
+  for rows, n, k in ((4096, 24576, 7168), (1024, 24576, 7168), (256, 7168, 18432), (300, 10240, 5120),
+                     (40, 1536, 7168), (8192, 7168, 2048)):
+    schedules = mosaic_backend.live_row_schedules(rows, n, k, jnp.bfloat16, 132)
+    assert len(set(schedules.configs)) == len(schedules.configs), "each schedule once"
+    assert len(schedules.table) == -(-rows // 64)
+    for count in range(1, rows + 1, 7):
+      chosen = schedules.configs[schedules.table[(count - 1) // 64]]
+      exact = min(-(-count // 64) * 64, rows)
+      assert chosen == mosaic_backend.default_config(exact, n, k, jnp.bfloat16, num_sms=132), (rows, count)
+    runs = schedules.ranges()
+    assert runs[0][0] == 1 and runs[-1][1] >= rows and all(a[2] != b[2] for a, b in zip(runs, runs[1:]))
 
 
 def test_plan_says_whether_dead_row_tiles_are_skipped():

@@ -199,6 +199,48 @@ def test_single_k_block_and_odd_tiles(rng, kind):
   _check(_run(a_q, b_q, a_s, b_s, config=KINDS[kind]), a_q, b_q, a_s, b_s, jnp.float32)
 
 
+@pytest.mark.parametrize("rows, cols, minor_dim, width", [(11, 192, 0, 16), (11, 6, 0, 8), (7, 5, 1, 2),
+                                                            (4, 3, 0, 3), (1, 9, 1, 4)])
+def test_live_first_order_visits_every_tile_once_live_rows_first(rows, cols, minor_dim, width):
+  """The persistent loop's order with a live-row count: a bijection onto the tiles, the live rows' tiles first (in
+  planar-snake order among themselves), for every count."""
+  from pallas_kernels.gemm_mosaic_common import live_first_order
+  lin = jnp.arange(rows * cols, dtype=jnp.int32)
+  # one scalar index at a time, as in the kernel (planar_snake branches on it)
+  order = jax.jit(jax.vmap(lambda t, live: live_first_order(t, (rows, cols), live, minor_dim, width), (0, None)))
+  for live in range(rows + 1):
+    i, j = (np.asarray(a) for a in order(lin, jnp.int32(live)))
+    assert sorted(zip(i.tolist(), j.tolist())) == [(a, b) for a in range(rows) for b in range(cols)], live
+    assert (i[:live * cols] < live).all() and (i[live * cols:] >= live).all(), live
+    if live:
+      snake = jax.vmap(lambda t: plgpu.planar_snake(t, (live, cols), minor_dim, width))(lin[:live * cols])
+      np.testing.assert_array_equal(i[:live * cols], np.asarray(snake[0]))
+      np.testing.assert_array_equal(j[:live * cols], np.asarray(snake[1]))
+
+
+# The persistent kinds a live-row count runs on: the tile loop in live-first order, clusters along M and N.
+@pytest.mark.parametrize("kind", ["ws2_m_128x128", "ws2_m_128x128_k2_epi16", "ws2_n_64x128_clusterM",
+                                  "ws2_m_128x128_clusterN"])
+def test_live_rows_on_a_persistent_grid(rng, kind):
+  """Every count on a CTA loop over several row tiles: the live rows match the reference, every other row is exactly
+  0 (the interpreter fills unwritten memory with NaN, so a tile the loop skipped would show), codes and scales past
+  the count are NaN poison."""
+  m, n, k = 300, 256, 256
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k, decades=1.0)
+  expect = ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True)
+  f = jax.jit(lambda a_q, a_s, live: gm.block_fp8_matmul(a_q, jnp.asarray(b_q), a_s, jnp.asarray(b_s),
+                                                          out_dtype=jnp.float32, config=KINDS[kind], num_sms=132,
+                                                          live_rows=live, interpret=True))
+  for live in sorted({0, 1, 64, int(rng.integers(65, m)), m, m + 7}):
+    codes, scales = a_q.copy(), a_s.copy()
+    codes[live:] = np.float32(np.nan).astype(ref.FP8)
+    scales[:, live:m] = np.nan
+    out = np.asarray(f(jnp.asarray(codes), jnp.asarray(scales), jnp.int32(live)))
+    assert (out[live:] == 0).all(), (kind, live)
+    if live:
+      assert ref.relative_error(out[:live], expect[:live]) <= 2e-4, (kind, live)
+
+
 @pytest.mark.parametrize("kind,out_dtype,bias_dtype", [
     ("ws2_m_128x128", jnp.bfloat16, jnp.float32),
     ("ws2_n_128x256", jnp.float16, jnp.float16),

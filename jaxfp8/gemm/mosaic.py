@@ -192,39 +192,46 @@ def row_alignment(m: int) -> tuple[int, str]:
 SKIPS_DEAD_ROWS = True
 # The live-row counts at which a traced count's schedule is chosen: a count runs the schedule of the first of these
 # at or above it (its exact count's schedule where the schedule does not change inside the range).
-LIVE_ROW_STEPS = (WGMMA_M, 2 * WGMMA_M, 256, 512, 1024, 2048, 4096, 8192)
-
-
 @dataclasses.dataclass(frozen=True)
 class LiveRowSchedules:
-  """The schedules of a call with a traced live-row count: at run time the count selects the schedule a call of
-  about that many rows would get (`lax.switch`), so that a large bucket with few live rows does not run the bucket's
-  wide tiles. schedules: (most live rows, config), the counts increasing, the last one the bucket's rows."""
-  schedules: tuple[tuple[int, MosaicGemmConfig], ...]
+  """The schedules of a call with a traced live-row count: at run time the count selects the schedule a call of that
+  many rows (rounded up to a whole 64-row tile) would get (`lax.switch` on a table lookup), so that a bucket with few
+  live rows runs what the exact rows would. configs: the distinct schedules; table[i]: the index of the schedule of
+  counts in (64 i, 64 (i + 1)] (count 0 takes table[0])."""
+  configs: tuple[MosaicGemmConfig, ...]
+  table: tuple[int, ...]
+
+  def ranges(self) -> list[tuple[int, int, MosaicGemmConfig]]:
+    """(first count, last count, config) of each run of 64-row steps with one schedule."""
+    runs: list[tuple[int, int, MosaicGemmConfig]] = []
+    for i, index in enumerate(self.table):
+      if runs and runs[-1][2] == self.configs[index]:
+        runs[-1] = (runs[-1][0], (i + 1) * WGMMA_M, runs[-1][2])
+      else:
+        runs.append((i * WGMMA_M + 1, (i + 1) * WGMMA_M, self.configs[index]))
+    return runs
 
   def __str__(self) -> str:
-    return "LiveRowSchedules(" + "; ".join(f"live <= {rows}: {config}" for rows, config in self.schedules) + ")"
+    return "LiveRowSchedules(" + "; ".join(f"live {lo}..{hi}: {config}" for lo, hi, config in self.ranges()) + ")"
 
 
 def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int) -> LiveRowSchedules:
-  """One schedule per range of live counts whose default schedule differs (neighbouring ranges that would run the
-  same config are merged, so a bucket compiles only the distinct kernels)."""
-  bounds = [step for step in LIVE_ROW_STEPS if step < rows] + [rows]
-  schedules: list[tuple[int, MosaicGemmConfig]] = []
-  for bound in bounds:
-    config = default_config(bound, n, k, out_dtype, num_sms=num_sms)
-    if schedules and schedules[-1][1] == config:
-      schedules[-1] = (bound, config)
-    else:
-      schedules.append((bound, config))
-  return LiveRowSchedules(tuple(schedules))
+  """The default schedule of every whole number of 64-row tiles up to `rows`, each distinct one compiled once."""
+  configs: list[MosaicGemmConfig] = []
+  table = []
+  for tiles in range(1, cdiv(rows, WGMMA_M) + 1):
+    config = default_config(min(tiles * WGMMA_M, rows), n, k, out_dtype, num_sms=num_sms)
+    if config not in configs:
+      configs.append(config)
+    table.append(configs.index(config))
+  return LiveRowSchedules(tuple(configs), tuple(table))
 
 
 def default_config_for(problem, device: _platform.Device):
   if problem.masked:
     schedules = live_row_schedules(problem.m, problem.n, problem.k, problem.out_dtype, device.num_sms)
-    return schedules, (f"valid_rows: {len(schedules.schedules)} schedule(s) on {device.num_sms} SMs, the one for "
-                       "about the live count chosen at run time; the row tiles past valid_rows are skipped")
+    return schedules, (f"valid_rows: {len(schedules.configs)} schedule(s) on {device.num_sms} SMs, the one the live "
+                       "count's 64-row tiles would get chosen at run time; the row tiles past valid_rows are skipped")
   config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms)
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
   return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs"
@@ -259,12 +266,12 @@ def launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, problem, config, interpr
   `LiveRowSchedules`, of which the count selects one."""
   if not isinstance(config, LiveRowSchedules):
     return launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret, device, live_rows=valid_rows)
-  # A count below 0 or past the bucket selects the first or the last schedule; the kernel clips it.
-  bounds = jnp.asarray([rows for rows, _ in config.schedules[:-1]], jnp.int32)
   branches = [lambda a_q, b_q, a_s, b_s, bias, count, c=c: launch(a_q, b_q, a_s, b_s, bias, problem, c, interpret,
                                                                   device, live_rows=count)
-              for _, c in config.schedules]
+              for c in config.configs]
   if len(branches) == 1:
     return branches[0](a_q, b_q, a_s, b_s, bias, valid_rows)
-  return jax.lax.switch(jnp.searchsorted(bounds, valid_rows, side="left"), branches, a_q, b_q, a_s, b_s, bias,
-                        valid_rows)
+  # A count below 1 or past the bucket takes the first or the last step's schedule; the kernel clips the count.
+  step = jnp.clip((jnp.asarray(valid_rows, jnp.int32) - 1) // WGMMA_M, 0, len(config.table) - 1)
+  index = jnp.asarray(config.table, jnp.int32)[step]
+  return jax.lax.switch(index, branches, a_q, b_q, a_s, b_s, bias, valid_rows)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 38 on the H200: the Mosaic GEMM's prefill under JAX 0.11.2 (the image), under JAX 0.12.0.1 as installed, and
+# under 0.12.0.1 with libnvJitLink out of reach, each in a process of its own (scripts/diag_jax012_mosaic_gemm.py),
+# then the quantizer's GPU tests under 0.12. JAX 0.12's Mosaic GPU compiles PTX through libnvJitLink whenever that
+# library loads (XLA's compilation-provider choice, hard-wired to "auto" in jaxlib/mosaic/gpu), and libnvJitLink
+# compiles relocatable code, where ptxas ignores `setmaxnreg` (C7504): the consumer warpgroups keep the launch's
+# register share. Without the library, Mosaic falls back to the ptxas executable, as 0.11.2 always did.
+#   scripts/jax012_ab.sh TARBALL   (the 0.12 wheels unpacked under jax012/, tar.xz; WORKSPACE.md: how they travel)
+set -u -o pipefail
+out=${OUT:-gpu_out}; mkdir -p "$out"
+export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+tar -C /tmp -xJf "$1" || exit 1
+new=/tmp/jax012:$PWD
+timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py "$out/diag_0.11.2" > "$out/diag_0.11.2.log" 2>&1
+echo "0.11.2 rc $?"; grep -E "us per call|core_count|jax |ptxas|nvJitLink|Using" "$out/diag_0.11.2.log" | head -20
+PYTHONPATH=$new timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py "$out/diag_0.12" > "$out/diag_0.12.log" 2>&1
+echo "0.12 rc $?"; grep -E "us per call|core_count|jax |ptxas|nvJitLink|Using" "$out/diag_0.12.log" | head -20
+# libnvJitLink out of reach: every copy on the machine moved aside for this run, then put back.
+hidden=$(find / -xdev \( -name 'libnvJitLink.so*' \) -not -path '/proc/*' 2>/dev/null)
+for f in $hidden; do mv "$f" "$f.hidden"; done
+echo "hid: $hidden"
+PYTHONPATH=$new timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py "$out/diag_0.12_ptxas" > "$out/diag_0.12_ptxas.log" 2>&1
+echo "0.12 without libnvJitLink rc $?"
+grep -E "us per call|core_count|jax |ptxas|nvJitLink|Using" "$out/diag_0.12_ptxas.log" | head -20
+for f in $hidden; do mv "$f.hidden" "$f"; done
+PYTHONPATH=$new timeout 150 python3 -m pytest tests/test_quant_mosaic.py -q -p no:cacheprovider -m "gpu or hopper" \
+  -n 4 > "$out/tests_quant_mosaic_0.12.log" 2>&1
+echo "quant tests 0.12: $(tail -1 "$out/tests_quant_mosaic_0.12.log")"
+parts=$(cd "$out" && ls -d diag_* tests_quant_mosaic_0.12.log)  # one file back: the device returns at most 8
+tar -C "$out" -czf "$out/jax012_ab_h200.tgz" $parts && (cd "$out" && rm -rf $parts)
