@@ -73,8 +73,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from .gemm_mosaic_common import (BLOCK, SMEM_BYTES, TMA_ROW_TILE, WGMMA_M, Dim, MosaicGemmConfig, common_problems,
                                  epilogue_slot_bytes, fit_smem, in_specs, initial_carry, kernel_grid, live_rows_only,
-                                 pad_rows_for_tma, scaled_mma_step, store_subtiles, tile_loop, warp_specialized,
-                                 zero_accumulators)
+                                 pad_rows_for_tma, scaled_mma_step, store_subtiles, store_zero_subtiles, tile_loop,
+                                 warp_specialized)
 
 
 def _epilogue_smem(num_wgs: int, out_dtype, epi_n: int):
@@ -106,11 +106,17 @@ def _epilogue(accs, slots, out_gmem, bias_gmem, live_rows, row0, col0, cfg: Mosa
       acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), acc.shape, [1])
     return live_rows_only(acc, live_rows, row0 + i * WGMMA_M).astype(out_gmem.dtype)
 
+  store_subtiles(accs, slots, cfg, epi_n, finish, _tile_store(out_gmem, row0, col0, cfg))
+
+
+def _tile_store(out_gmem, row0, col0, cfg: MosaicGemmConfig):
+  """store(slot, i, j, e): the TMA store of piece e of sub-tile (i, j) of the warpgroup part at (row0, col0)."""
+  sub_n, epi_n = cfg.sub_n, cfg.epi_n(out_gmem.dtype)
+
   def store(slot, i, j, e):
     plgpu.copy_smem_to_gmem(
         slot, out_gmem.at[pl.ds(row0 + i * WGMMA_M, WGMMA_M), pl.ds(col0 + j * sub_n + e * epi_n, epi_n)])
-
-  store_subtiles(accs, slots, cfg, epi_n, finish, store)
+  return store
 
 
 # ----------------------------------------------------------------------------------------- kernel 1: one warpgroup
@@ -171,7 +177,9 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, live_gmem, out_gmem,
 
       @pl.when((first_row >= live_rows) & (wg_idx < cfg.num_compute_wgs))
       def _zeros():
-        epilogue(zero_accumulators(cfg), m_idx * cfg.tile_m + wg_origin[0], n_idx * cfg.tile_n + wg_origin[1])
+        row0, col0 = m_idx * cfg.tile_m + wg_origin[0], n_idx * cfg.tile_n + wg_origin[1]
+        store_zero_subtiles(slots, cfg, cfg.epi_n(out_gmem.dtype), out_gmem.dtype,
+                            _tile_store(out_gmem, row0, col0, cfg))
 
     # With a cluster, the loop runs over pairs of tiles; the CTAs of a cluster take the two tiles of a pair. A tile
     # past M or N (odd tile counts) loads TMA zero fill and stores nothing: harmless.

@@ -328,6 +328,22 @@ def store_subtiles(accs, slots, cfg: MosaicGemmConfig, epi_n: int, finish, store
       slot = 1 - slot
 
 
+def store_zero_subtiles(slots, cfg: MosaicGemmConfig, epi_n: int, out_dtype, store):
+  """Writes zeros over one warpgroup's (wg_m, wg_n) part of a tile: one slot filled with zeros, then every piece's
+  TMA store from it, none waited for (they all read the same zeros, which nothing rewrites before the next
+  store_subtiles waits for them). Many dead tiles in a row then store at the copy engine's pace, not one piece at a
+  time. store(slot_ref, i, j, e): as in store_subtiles."""
+  wg_m, wg_n = cfg.wg_tile
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read the slots
+  zeros = plgpu.layout_cast(jnp.zeros((WGMMA_M, epi_n), jnp.float32), plgpu.Layout.WGMMA)
+  slots[0] = zeros.astype(out_dtype)
+  plgpu.commit_smem()
+  for i in range(wg_m // WGMMA_M):
+    for j in range(wg_n // cfg.sub_n):
+      for e in range(cfg.sub_n // epi_n):
+        store(slots.at[0], i, j, e)
+
+
 def live_rows_only(acc, live_rows, row0):
   """acc (64, sub_n) whose first row is row0, with the rows from live_rows on set to 0 (None: acc as it is)."""
   if live_rows is None:

@@ -146,10 +146,12 @@ def _plan(m, n, k, block_size, out_dtype, x_dtype, options, has_bias, device, ma
       implementation=implementation, config=options.config, interpret=interpret, device=device, reason=reason)
   quant_implementation, quant_reason = quant.planner.for_gemm(implementation, device, interpret,
                                                               options.quant_implementation)
+  # A GEMM that skips the row tiles past valid_rows never reads the rows there but in the tile holding the count's
+  # boundary, whose rows past it it computes and then selects away: their codes need not be written.
   quant_plan = quant.plan(
       quant.problem(1, m, k, x_dtype, group_size=block_size[1], eps=quant.planner.DEFAULT_EPS,
                     row_alignment=alignment, scale_layout="col" if column_major else "row",
-                    scale_tma_aligned=column_major),
+                    scale_tma_aligned=column_major, pad_rows_written=not gemm_plan.skips_dead_rows),
       implementation=quant_implementation, interpret=interpret, device=device, reason=quant_reason,
       option="quant_implementation")
   return LinearPlan(m, n, k, tuple(block_size), out_dtype.name, alignment, row_reason, quant_plan, gemm_plan, options)
