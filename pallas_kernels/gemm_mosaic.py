@@ -164,7 +164,7 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, live_gmem, out_gmem,
     def epilogue(accs, row0, col0):
       _epilogue(accs, slots, out_gmem, bias_gmem, live_rows, row0, col0, cfg)
 
-    def tile(m_idx, n_idx):
+    def tile(m_idx, n_idx, after_dead=None):
       if live_rows is None:
         compute_tile(a_gmem, b_gmem, as_gmem, bs_gmem, m_idx, n_idx, epilogue)
         return
@@ -179,16 +179,16 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, live_gmem, out_gmem,
       def _zeros():
         row0, col0 = m_idx * cfg.tile_m + wg_origin[0], n_idx * cfg.tile_n + wg_origin[1]
         store_zero_subtiles(slots, cfg, cfg.epi_n(out_gmem.dtype), out_gmem.dtype,
-                            _tile_store(out_gmem, row0, col0, cfg))
+                            _tile_store(out_gmem, row0, col0, cfg), slot_holds_zeros=after_dead)
 
     # With a cluster, the loop runs over pairs of tiles; the CTAs of a cluster take the two tiles of a pair. A tile
     # past M or N (odd tile counts) loads TMA zero fill and stores nothing: harmless.
-    def pair(m_idx, n_idx):
+    def pair(m_idx, n_idx, *after_dead):
       if cfg.cluster_dim == Dim.M:
         m_idx = 2 * m_idx + lax.axis_index("cluster")
       elif cfg.cluster_dim == Dim.N:
         n_idx = 2 * n_idx + lax.axis_index("cluster")
-      tile(m_idx, n_idx)
+      tile(m_idx, n_idx, *after_dead)
 
     shape = _loop_shape(cfg, m_iters, n_iters)
     live_loop_rows = None

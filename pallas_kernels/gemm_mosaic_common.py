@@ -328,16 +328,24 @@ def store_subtiles(accs, slots, cfg: MosaicGemmConfig, epi_n: int, finish, store
       slot = 1 - slot
 
 
-def store_zero_subtiles(slots, cfg: MosaicGemmConfig, epi_n: int, out_dtype, store):
-  """Writes zeros over one warpgroup's (wg_m, wg_n) part of a tile: one slot filled with zeros, then every piece's
-  TMA store from it, none waited for (they all read the same zeros, which nothing rewrites before the next
-  store_subtiles waits for them). Many dead tiles in a row then store at the copy engine's pace, not one piece at a
-  time. store(slot_ref, i, j, e): as in store_subtiles."""
+def store_zero_subtiles(slots, cfg: MosaicGemmConfig, epi_n: int, out_dtype, store, slot_holds_zeros=None):
+  """Writes zeros over one warpgroup's (wg_m, wg_n) part of a tile: slot 0 filled with zeros, then every piece's TMA
+  store from it, none waited for (they all read the same zeros, which nothing rewrites before the next
+  store_subtiles waits for them). slot_holds_zeros (traced bool): the previous tile was zeros too, so slot 0 still
+  holds them: no wait, no fill, and a run of such tiles stores at the copy engine's pace. store(slot_ref, i, j, e): as
+  in store_subtiles."""
   wg_m, wg_n = cfg.wg_tile
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read the slots
-  zeros = plgpu.layout_cast(jnp.zeros((WGMMA_M, epi_n), jnp.float32), plgpu.Layout.WGMMA)
-  slots[0] = zeros.astype(out_dtype)
-  plgpu.commit_smem()
+
+  def fill():
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have read the slots
+    zeros = plgpu.layout_cast(jnp.zeros((WGMMA_M, epi_n), jnp.float32), plgpu.Layout.WGMMA)
+    slots[0] = zeros.astype(out_dtype)
+    plgpu.commit_smem()
+
+  if slot_holds_zeros is None:
+    fill()
+  else:
+    pl.when(jnp.logical_not(slot_holds_zeros))(fill)
   for i in range(wg_m // WGMMA_M):
     for j in range(wg_n // cfg.sub_n):
       for e in range(cfg.sub_n // epi_n):
@@ -431,18 +439,23 @@ def tile_loop(cfg: MosaicGemmConfig, shape: tuple[int, int], tile, live_loop_row
 
   live_loop_rows: a traced count of the loop rows that hold live work (the rest are cheap: zeros to store). The
   persistent loop then visits those rows' tiles first and the rest after them (`live_first_order`), so that the live
-  tiles spread evenly over the CTAs whatever the count."""
+  tiles spread evenly over the CTAs whatever the count, and calls tile(i, j, after_dead): whether this CTA's previous
+  tile was past the live rows too (always False with one CTA per tile)."""
   if cfg.persistent:
     @plgpu.nd_loop((shape[0] * shape[1],), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (lin_idx,) = loop_info.index
       if live_loop_rows is None:
-        i, j = plgpu.planar_snake(lin_idx, shape, int(cfg.grid_minor_dim), cfg.grid_tile_width)
-      else:
-        i, j = live_first_order(lin_idx, shape, live_loop_rows, int(cfg.grid_minor_dim), cfg.grid_tile_width)
-      tile(i, j)
-  else:
+        tile(*plgpu.planar_snake(lin_idx, shape, int(cfg.grid_minor_dim), cfg.grid_tile_width))
+        return
+      i, j = live_first_order(lin_idx, shape, live_loop_rows, int(cfg.grid_minor_dim), cfg.grid_tile_width)
+      live_tiles = live_loop_rows * shape[1]
+      previous = lin_idx - lax.axis_size("sm")  # this CTA's previous tile: the loop strides by the grid
+      tile(i, j, (loop_info.local_index > 0) & (previous >= live_tiles))
+  elif live_loop_rows is None:
     tile(lax.axis_index("m"), lax.axis_index("n"))
+  else:
+    tile(lax.axis_index("m"), lax.axis_index("n"), jnp.bool_(False))
 
 
 def live_first_order(lin_idx, shape: tuple[int, int], live_rows, minor_dim: int, tile_width: int):

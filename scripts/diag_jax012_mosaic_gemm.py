@@ -17,9 +17,8 @@ once per JAX version, in one process each:
    versions; the compilation cache is switched off, which would skip the compile and so the dumps), packed into
    OUT/dumps.tar.gz.
 
-Cases: the shipped prefill configs (192x128 tiles on three consumer warpgroups in CTA pairs; 128x256 tiles on two)
-and the decode config (the control), plus two variants that tell hypotheses apart: the 128x256 config on one CTA
-per tile instead of a persistent grid, and the 192x128 config without its cluster.
+Cases (`cases`): per prefill shape the shipped config (192x128 tiles on three consumer warpgroups in CTA pairs;
+128x256 tiles on two), variants whose registers fit without `setmaxnreg`, and the decode config (the control).
 """
 
 from __future__ import annotations
@@ -99,19 +98,27 @@ def environment() -> None:
   jax.config.update("jax_enable_compilation_cache", False)
 
 
+PREFILL_SHAPES = ((4096, 24576, 7168), (4096, 7168, 18432), (1024, 24576, 7168))
+
+
 def cases() -> list[tuple[str, tuple[int, int, int], kernel.MosaicGemmConfig]]:
-  three = gemm_mosaic.default_config(4096, 24576, 7168, num_sms=NUM_SMS)
-  two = gemm_mosaic.default_config(1024, 24576, 7168, num_sms=NUM_SMS)
-  decode = gemm_mosaic.default_config(64, 24576, 7168, num_sms=NUM_SMS)
-  return [
-      ("prefill 3 WGs (shipped)", (4096, 24576, 7168), three),
-      ("prefill 3 WGs (shipped)", (4096, 7168, 18432), gemm_mosaic.default_config(4096, 7168, 18432,
-                                                                                 num_sms=NUM_SMS)),
-      ("prefill 3 WGs, no cluster", (4096, 24576, 7168), dataclasses.replace(three, cluster_dim=None)),
-      ("prefill 2 WGs (shipped)", (1024, 24576, 7168), two),
-      ("prefill 2 WGs, CTA per tile", (1024, 24576, 7168), dataclasses.replace(two, persistent=False)),
-      ("decode (shipped)", (64, 24576, 7168), decode),
-  ]
+  """Per prefill shape: the shipped config, it without its cluster, and schedules whose registers fit without
+  `setmaxnreg`: two consumer warpgroups of 64x128 (168 registers a thread at launch hold their accumulators) and the
+  one-warpgroup kernel with no producer (no register split at all); then the decode config (the control)."""
+  M = kernel.Dim.M
+  two_small = kernel.MosaicGemmConfig(tile_m=128, tile_n=128, num_compute_wgs=2, wg_split=M, grid_tile_width=16)
+  found = []
+  for shape in PREFILL_SHAPES:
+    shipped = gemm_mosaic.default_config(*shape, num_sms=NUM_SMS)
+    found += [("shipped", shape, shipped)]
+    if shipped.cluster_dim is not None:
+      found += [("shipped, no cluster", shape, dataclasses.replace(shipped, cluster_dim=None))]
+    found += [("2 WGs 128x128", shape, two_small),
+              ("2 WGs 128x128, CTA pairs along N", shape, dataclasses.replace(two_small, cluster_dim=kernel.Dim.N)),
+              ("1 WG 128x256, no producer", shape,
+               kernel.MosaicGemmConfig(tile_m=128, tile_n=256, warp_specialized=False, num_compute_wgs=1))]
+  found.append(("decode (shipped)", (64, 24576, 7168), gemm_mosaic.default_config(64, 24576, 7168, num_sms=NUM_SMS)))
+  return found
 
 
 def operands(m: int, n: int, k: int):

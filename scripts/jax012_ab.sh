@@ -12,19 +12,23 @@ export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 tar -C /tmp -xJf "$1" || exit 1
 new=/tmp/jax012:$PWD
 timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py "$out/diag_0.11.2" > "$out/diag_0.11.2.log" 2>&1
-echo "0.11.2 rc $?"; grep -E "us per call|core_count|jax |ptxas|nvJitLink|Using" "$out/diag_0.11.2.log" | head -20
+echo "0.11.2 rc $?"; grep -a -E "us per call|core_count|jax |nvJitLink mapped|Using (libnvjitlink|ptxas)" "$out/diag_0.11.2.log" | head -40
 PYTHONPATH=$new timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py "$out/diag_0.12" > "$out/diag_0.12.log" 2>&1
-echo "0.12 rc $?"; grep -E "us per call|core_count|jax |ptxas|nvJitLink|Using" "$out/diag_0.12.log" | head -20
+echo "0.12 rc $?"; grep -a -E "us per call|core_count|jax |nvJitLink mapped|Using (libnvjitlink|ptxas)" "$out/diag_0.12.log" | head -40
 # libnvJitLink out of reach: every copy on the machine moved aside for this run, then put back.
 hidden=$(find / -xdev \( -name 'libnvJitLink.so*' \) -not -path '/proc/*' 2>/dev/null)
 for f in $hidden; do mv "$f" "$f.hidden"; done
 echo "hid: $hidden"
-PYTHONPATH=$new timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py "$out/diag_0.12_ptxas" > "$out/diag_0.12_ptxas.log" 2>&1
+# (cuSPARSE needs libnvJitLink: the plugin's version check of it is skipped, nothing here uses it)
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=$new timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py \
+  "$out/diag_0.12_ptxas" > "$out/diag_0.12_ptxas.log" 2>&1
 echo "0.12 without libnvJitLink rc $?"
-grep -E "us per call|core_count|jax |ptxas|nvJitLink|Using" "$out/diag_0.12_ptxas.log" | head -20
+grep -a -E "us per call|core_count|jax |nvJitLink mapped|Using (libnvjitlink|ptxas)" "$out/diag_0.12_ptxas.log" | head -40
 for f in $hidden; do mv "$f.hidden" "$f"; done
-PYTHONPATH=$new timeout 150 python3 -m pytest tests/test_quant_mosaic.py -q -p no:cacheprovider -m "gpu or hopper" \
-  -n 4 > "$out/tests_quant_mosaic_0.12.log" 2>&1
-echo "quant tests 0.12: $(tail -1 "$out/tests_quant_mosaic_0.12.log")"
-parts=$(cd "$out" && ls -d diag_* tests_quant_mosaic_0.12.log)  # one file back: the device returns at most 8
+if [[ -z ${SKIP_TESTS:-} ]]; then
+  PYTHONPATH=$new timeout 150 python3 -m pytest tests/test_quant_mosaic.py -q -p no:cacheprovider -m "gpu or hopper" \
+    -n 4 > "$out/tests_quant_mosaic_0.12.log" 2>&1
+  echo "quant tests 0.12: $(tail -1 "$out/tests_quant_mosaic_0.12.log")"
+fi
+parts=$(cd "$out" && ls -d diag_* tests_quant_mosaic_0.12.log 2>/dev/null)  # one file back: the device returns at most 8
 tar -C "$out" -czf "$out/jax012_ab_h200.tgz" $parts && (cd "$out" && rm -rf $parts)
