@@ -44,3 +44,17 @@ def store_unoptimized(ref, value) -> None:
     ref[...] = value
   else:
     store(ref, value, optimized=False)
+
+
+def register_split_kept() -> bool:
+  """Whether Mosaic GPU kernels keep `setmaxnreg`, the register split a warp-specialized pipeline makes between its
+  producer and consumer warpgroups.
+
+  JAX 0.11 compiles a kernel's PTX with the ptxas executable. JAX 0.12 compiles it through libnvJitLink whenever that
+  library loads (it always does beside the CUDA 13 plugin: cuSPARSE needs it), as relocatable code, where ptxas ignores
+  `setmaxnreg` (C7504): every warpgroup keeps the launch's share, 168 registers a thread with two consumers and 128
+  with three, and consumers holding more spill. Seen on the H200: jaxlib's Mosaic GPU hard-wires that choice to
+  "auto", so XLA's --xla_gpu_libnvjitlink_mode does not reach it.
+  """
+  major, minor = (int(part) for part in jax.__version__.split(".")[:2])
+  return (major, minor) < (0, 12)

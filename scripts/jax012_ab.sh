@@ -6,11 +6,22 @@
 # compiles relocatable code, where ptxas ignores `setmaxnreg` (C7504): the consumer warpgroups keep the launch's
 # register share. Without the library, Mosaic falls back to the ptxas executable, as 0.11.2 always did.
 #   scripts/jax012_ab.sh TARBALL   (the 0.12 wheels unpacked under jax012/, tar.xz; WORKSPACE.md: how they travel)
+#   BENCH=1 scripts/jax012_ab.sh TARBALL: instead, `python -m jaxfp8 bench --ops=gemm,quant` under each version.
 set -u -o pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 tar -C /tmp -xJf "$1" || exit 1
 new=/tmp/jax012:$PWD
+if [[ -n ${BENCH:-} ]]; then  # the A/B: the same bench under each version, back to back
+  shapes="4096,24576,7168;4096,7168,18432;1024,24576,7168;64,24576,7168;1,24576,7168"
+  for v in 0.11.2 0.12; do
+    path=$PWD; [[ $v == 0.12 ]] && path=$new
+    PYTHONPATH=$path timeout 240 python3 -m jaxfp8 bench --ops=gemm,quant --shapes="$shapes" \
+      --implementations=mosaic,torch_scaled_mm --out="$out/jax_ab_$v.json" > "$out/jax_ab_$v.log" 2>&1
+    echo "$v rc $?"; grep -E "^gemm|^quant" "$out/jax_ab_$v.log" | head -20
+  done
+  exit 0
+fi
 timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py "$out/diag_0.11.2" > "$out/diag_0.11.2.log" 2>&1
 echo "0.11.2 rc $?"; grep -a -E "us per call|core_count|jax |nvJitLink mapped|Using (libnvjitlink|ptxas)" "$out/diag_0.11.2.log" | head -40
 PYTHONPATH=$new timeout 200 python3 scripts/diag_jax012_mosaic_gemm.py "$out/diag_0.12" > "$out/diag_0.12.log" 2>&1

@@ -541,6 +541,33 @@ def test_default_config_follows_the_measurements():
   _lower(100, 24576, 7168, pick(100, 24576, 7168))
 
 
+def test_without_the_register_split_prefill_takes_schedules_that_fit_the_launch_registers(monkeypatch):
+  """Where the compiler ignores setmaxnreg (JAX 0.12's libnvJitLink path), every prefill choice has two consumer
+  warpgroups of at most 64x128 with one K block per step (they hold their accumulators in the launch's 168 registers
+  a thread); decode keeps its one-consumer schedule; the plan says why."""
+  from pallas_kernels import _jax_compat
+  assert _jax_compat.register_split_kept() == (tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12))
+  for n, k in MODEL_SHAPES:
+    for m in (65, 128, 256, 300, 512, 1024, 2048, 4096, 8192):
+      config = mosaic_backend.default_config(m, n, k, num_sms=132, register_split=False)
+      if config.num_compute_wgs == 1:  # the decode schedule over 64-row tiles (M <= 128)
+        assert m <= 128 and config.tile_m == 64, (m, n, config)
+        continue
+      assert (config.num_compute_wgs, config.k_blocks_per_step, config.cluster_dim) == (2, 1, None), (m, n, config)
+      assert config.wg_tile in ((64, 128), (64, 64)), (m, n, config)
+  assert mosaic_backend.default_config(64, 24576, 7168, num_sms=132, register_split=False) == \
+      mosaic_backend.default_config(64, 24576, 7168, num_sms=132)
+  schedules = mosaic_backend.live_row_schedules(4096, 24576, 7168, jnp.bfloat16, 132, register_split=False)
+  assert all(c.num_compute_wgs == 1 or (c.num_compute_wgs, c.k_blocks_per_step) == (2, 1) for c in schedules.configs)
+  problem = jaxfp8.gemm.problem(4096, 24576, 7168, (128, 128))
+  for kept in (True, False):
+    monkeypatch.setattr(_jax_compat, "register_split_kept", lambda kept=kept: kept)
+    config, reason = mosaic_backend.default_config_for(problem, helpers.fake_device((9, 0)))
+    assert ("without setmaxnreg" in reason) != kept, reason
+    assert config == mosaic_backend.default_config(4096, 24576, 7168, num_sms=132, register_split=kept)
+  _lower(4096, 24576, 7168, mosaic_backend.default_config(4096, 24576, 7168, num_sms=132, register_split=False))
+
+
 def test_heuristic_lowers_for_model_shapes():
   for n, k in MODEL_SHAPES:
     for m in (1, 12, 300, 4100):

@@ -73,15 +73,30 @@ _SPEED_64X128 = 0.8 * _SPEED_128X128  # 64x128 split in N (an estimate no sweep 
 _SPEED_COLUMNS = 0.77 * _SPEED_128X128  # 128x160 scaled per column, vs 128x128 tiles (M=512 N=10240 K=5120)
 
 
-def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = None
+def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = None, *, register_split: bool = True
                        ) -> list[tuple[float, MosaicGemmConfig]]:
   """The M > 64 schedules that apply to (m, n), each with its score: measured speed times SM occupancy (full waves
-  of the persistent grid, real rows of the row tiles). `default_config` takes the best."""
+  of the persistent grid, real rows of the row tiles). `default_config` takes the best.
+
+  register_split=False (`_jax_compat.register_split_kept`): the compiler ignores setmaxnreg, so only schedules whose
+  consumers fit the launch's register share: two consumer warpgroups of 64x128 with one K block per step, or of
+  64x64. On the H200 under JAX 0.12 (libnvJitLink) 128x128 tiles of the first kind ran 1198.5, 903.8 and 301.7 us at
+  M=4096 N=24576 K=7168, M=4096 N=7168 K=18432 and M=1024 N=24576 K=7168, their speed with ptxas (1199.1, 910.2,
+  301.5), where the shipped schedules spilled and ran 1931.0, 2162.7 and 694.0 (1051.5, 806.0, 280.2 with ptxas;
+  scripts/jax012_ab.sh)."""
   _K = _kernel()
   n_blocks = n // BLOCK
   wide_tiles = cdiv(m, 128) * n_blocks  # 128x128
   fill_128 = _row_fill(m, 128)
   scored: list[tuple[float, MosaicGemmConfig]] = []
+  if not register_split:
+    scored.append((_SPEED_128X128 * _balance(wide_tiles, num_sms) * fill_128, _K.MosaicGemmConfig(
+        tile_m=128, tile_n=128, max_concurrent_steps=4, num_compute_wgs=2, wg_split=_K.Dim.M, grid_tile_width=16,
+        epi_tile_n=epi_tile_n)))
+    scored.append((_SPEED_64X128 * _balance(cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
+                   _K.MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
+                                       wg_split=_K.Dim.N, epi_tile_n=epi_tile_n)))
+    return scored
   # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), two K blocks per step (each
   # warpgroup's second wgmma overlaps the promotion of its first); three stages of 2 x 32 KiB leave room for
   # 16-column epilogue stores only. Half the 128x256 tile, so fewer wasted slots where those leave many of their last
@@ -126,9 +141,11 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   return scored
 
 
-def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: int) -> MosaicGemmConfig:
+def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: int,
+                   register_split: bool = True) -> MosaicGemmConfig:
   """The schedule for a_q of m rows (padding rows count: they cost what real ones do, unlike TMA's zero fill of rows
-  past a_q), from the H200 sweeps of the Mosaic GEMM's configs (benchmarks/README.md)."""
+  past a_q), from the H200 sweeps of the Mosaic GEMM's configs (benchmarks/README.md). register_split: whether the
+  compiler keeps setmaxnreg (`prefill_candidates`; the decode schedules have one consumer and need no split)."""
   _K = _kernel()
   epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
   if m <= WGMMA_M:
@@ -153,7 +170,8 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: i
   else:
     tile_n = None  # the scored prefill schedules
   if tile_n is None:
-    config = max(prefill_candidates(m, n, num_sms, epi_tile_n), key=lambda sc: sc[0])[1]  # the first of equals
+    candidates = prefill_candidates(m, n, num_sms, epi_tile_n, register_split=register_split)
+    config = max(candidates, key=lambda sc: sc[0])[1]  # the first of equals
   else:
     config = _K.MosaicGemmConfig(
         tile_m=WGMMA_M, tile_n=tile_n, max_concurrent_steps=4, k_blocks_per_step=2, num_compute_wgs=1,
@@ -215,26 +233,37 @@ class LiveRowSchedules:
     return "LiveRowSchedules(" + "; ".join(f"live {lo}..{hi}: {config}" for lo, hi, config in self.ranges()) + ")"
 
 
-def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int) -> LiveRowSchedules:
+def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int,
+                       register_split: bool = True) -> LiveRowSchedules:
   """The default schedule of every whole number of 64-row tiles up to `rows`, each distinct one compiled once."""
   configs: list[MosaicGemmConfig] = []
   table = []
   for tiles in range(1, cdiv(rows, WGMMA_M) + 1):
-    config = default_config(min(tiles * WGMMA_M, rows), n, k, out_dtype, num_sms=num_sms)
+    config = default_config(min(tiles * WGMMA_M, rows), n, k, out_dtype, num_sms=num_sms,
+                            register_split=register_split)
     if config not in configs:
       configs.append(config)
     table.append(configs.index(config))
   return LiveRowSchedules(tuple(configs), tuple(table))
 
 
+def register_split_kept() -> bool:
+  return importlib.import_module("pallas_kernels._jax_compat").register_split_kept()
+
+
 def default_config_for(problem, device: _platform.Device):
+  split = register_split_kept()
+  why_split = "" if split else ("; this JAX compiles Mosaic kernels without setmaxnreg (libnvJitLink), so the "
+                                "schedules whose consumers fit the launch's registers")
   if problem.masked:
-    schedules = live_row_schedules(problem.m, problem.n, problem.k, problem.out_dtype, device.num_sms)
+    schedules = live_row_schedules(problem.m, problem.n, problem.k, problem.out_dtype, device.num_sms, split)
     return schedules, (f"valid_rows: {len(schedules.configs)} schedule(s) on {device.num_sms} SMs, the one the live "
-                       "count's 64-row tiles would get chosen at run time; the row tiles past valid_rows are skipped")
-  config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms)
+                       "count's 64-row tiles would get chosen at run time; the row tiles past valid_rows are skipped"
+                       + why_split)
+  config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms,
+                          register_split=split)
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
-  return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs"
+  return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs" + why_split
 
 
 def config_problem(problem, config) -> str | None:
