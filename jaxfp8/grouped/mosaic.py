@@ -36,8 +36,10 @@ def rows_per_group(problem) -> float:
   return problem.rows / max(problem.groups, 1)
 
 
-def default_config(problem):
-  """The schedule for `problem` (see the module docstring), fitted to shared memory."""
+def default_config(problem, register_split: bool = True):
+  """The schedule for `problem` (see the module docstring), fitted to shared memory. register_split=False: the
+  compiler ignores setmaxnreg (`dense.register_split_kept`), so the prefill schedule takes one K block per step,
+  whose consumers hold one wgmma accumulator beside the running one in the launch's 168 registers a thread."""
   K = _kernel()
   if rows_per_group(problem) <= WGMMA_M:
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
@@ -45,8 +47,9 @@ def default_config(problem):
   else:
     # The persistent grid visits 8 work items (mostly of one expert) per column tile before moving on, so that an
     # expert's weight tiles are read from L2 by all of its row tiles.
-    config = K.MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
-                                num_compute_wgs=2, grid_minor_dim=K.Dim.M, grid_tile_width=8)
+    config = K.MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4,
+                                k_blocks_per_step=2 if register_split else 1, num_compute_wgs=2,
+                                grid_minor_dim=K.Dim.M, grid_tile_width=8)
   return fit_smem(config, problem.out_dtype, problem.k)
 
 
@@ -76,10 +79,13 @@ def unsupported(problem) -> str | None:
 
 def default_config_for(problem, device: _platform.Device):
   del device
-  config = default_config(problem)
+  split = dense.register_split_kept()
+  config = default_config(problem, split)
   kind = "decode" if config.tile_m == WGMMA_M else "prefill"
+  why_split = "" if split or kind == "decode" else ("; this JAX compiles Mosaic kernels without setmaxnreg "
+                                                    "(libnvJitLink): one K block per step")
   return config, (f"the {kind} schedule for {rows_per_group(problem):g} rows per group "
-                  f"({'at most' if kind == 'decode' else 'more than'} one {WGMMA_M}-row tile)")
+                  f"({'at most' if kind == 'decode' else 'more than'} one {WGMMA_M}-row tile)" + why_split)
 
 
 def config_problem(problem, config) -> str | None:
