@@ -13,13 +13,13 @@ out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 tar -C /tmp -xJf "$1" || exit 1
 new=/tmp/jax012:$PWD
-if [[ -n ${GROUPED:-} ]]; then  # the grouped GEMM's prefill schedule, one and two K blocks per step, each version
-  two_wgs="mosaic:tile_m=128,tile_n=128,max_concurrent_steps=4,num_compute_wgs=2,grid_minor_dim=M,grid_tile_width=8"
+if [[ -n ${GROUPED:-} ]]; then  # the grouped GEMM's prefill: the planner's, one and two K blocks per step (as deep as fits), each version
+  two_wgs="mosaic:tile_m=128,tile_n=128,num_compute_wgs=2,grid_minor_dim=M,grid_tile_width=8"
   for v in 0.11.2 0.12; do
     path=$PWD; [[ $v == 0.12 ]] && path=$new
     PYTHONPATH=$path timeout 200 python3 -m jaxfp8 bench --ops=grouped --implementations=mosaic \
       --expert_shapes="dsv3_ep8.gate_up;dsv3_ep8.down;qwen3_30b_a3b.gate_up;qwen3_30b_a3b.down" --routed_rows=4096 \
-      --gemm_configs="$two_wgs,k_blocks_per_step=1;$two_wgs,k_blocks_per_step=2" \
+      --gemm_configs="$two_wgs,k_blocks_per_step=1,max_concurrent_steps=4;$two_wgs,k_blocks_per_step=2,max_concurrent_steps=2" \
       --out="$out/grouped_ab_$v.json" > "$out/grouped_ab_$v.log" 2>&1
     echo "$v rc $?"; grep -E "^grouped" "$out/grouped_ab_$v.log" | head -20
   done

@@ -36,20 +36,22 @@ def rows_per_group(problem) -> float:
   return problem.rows / max(problem.groups, 1)
 
 
-def default_config(problem, register_split: bool = True):
-  """The schedule for `problem` (see the module docstring), fitted to shared memory. register_split=False: the
-  compiler ignores setmaxnreg (`dense.register_split_kept`), so the prefill schedule takes one K block per step,
-  whose consumers hold one wgmma accumulator beside the running one in the launch's 168 registers a thread."""
+def default_config(problem):
+  """The schedule for `problem` (see the module docstring), fitted to shared memory."""
   K = _kernel()
   if rows_per_group(problem) <= WGMMA_M:
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
                                 num_compute_wgs=1, persistent=False, weight_scales_ahead=True)
   else:
     # The persistent grid visits 8 work items (mostly of one expert) per column tile before moving on, so that an
-    # expert's weight tiles are read from L2 by all of its row tiles.
-    config = K.MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4,
-                                k_blocks_per_step=2 if register_split else 1, num_compute_wgs=2,
-                                grid_minor_dim=K.Dim.M, grid_tile_width=8)
+    # expert's weight tiles are read from L2 by all of its row tiles. One K block per step: its consumers hold one
+    # wgmma accumulator beside the running one, which fits the launch's 168 registers a thread where JAX 0.12 drops
+    # setmaxnreg (dense.register_split_kept). On the H200 at 4096 routed rows it ran the same under JAX 0.11.2 and
+    # 0.12 and level with two K blocks per step under 0.11.2 (DeepSeek-V3 EP8 gate_up / down, Qwen3-30B-A3B gate_up
+    # / down: 457.5 / 248.1 / 147.7 / 96.1 us against 471.1 / 256.9 / 144.3 / 99.1; under 0.12 454.2 / 251.3 /
+    # 145.0 / 99.1; scripts/jax012_ab.sh with GROUPED=1).
+    config = K.MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=1,
+                                num_compute_wgs=2, grid_minor_dim=K.Dim.M, grid_tile_width=8)
   return fit_smem(config, problem.out_dtype, problem.k)
 
 
@@ -79,13 +81,10 @@ def unsupported(problem) -> str | None:
 
 def default_config_for(problem, device: _platform.Device):
   del device
-  split = dense.register_split_kept()
-  config = default_config(problem, split)
+  config = default_config(problem)
   kind = "decode" if config.tile_m == WGMMA_M else "prefill"
-  why_split = "" if split or kind == "decode" else ("; this JAX compiles Mosaic kernels without setmaxnreg "
-                                                    "(libnvJitLink): one K block per step")
   return config, (f"the {kind} schedule for {rows_per_group(problem):g} rows per group "
-                  f"({'at most' if kind == 'decode' else 'more than'} one {WGMMA_M}-row tile)" + why_split)
+                  f"({'at most' if kind == 'decode' else 'more than'} one {WGMMA_M}-row tile)")
 
 
 def config_problem(problem, config) -> str | None:
