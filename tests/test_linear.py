@@ -477,6 +477,7 @@ def test_lowered_valid_rows_program_is_the_dense_kernel_with_its_live_rows(m, n,
         jax.jit(f), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plt.CUSTOM_CALL_TARGET_NAME)])(*args).mlir_module()
   assert plan.masked and plan.gemm.skips_dead_rows, str(plan)
+  assert not plan.quant.problem.pad_rows_written and "pad rows past valid_rows unspecified" in str(plan), str(plan)
   assert "the row tiles past valid_rows are skipped" in plan.gemm.config_reason, str(plan)
   schedules = plan.gemm.config
   assert len(schedules.table) == -(-m // 64) and schedules.ranges()[-1][1] >= m

@@ -102,7 +102,8 @@ class QuantPlan:
   def __str__(self) -> str:
     mode = " (interpreted)" if self.interpret and self.implementation != "xla" else ""
     config = f"; config {self.config} ({self.config_reason})" if self.config is not None else ""
-    return f"{self.implementation} quantizer{mode}: {self.reason}{config}"
+    pad = "" if self.problem.pad_rows_written else "; pad rows past valid_rows unspecified (their reader skips them)"
+    return f"{self.implementation} quantizer{mode}: {self.reason}{config}{pad}"
 
 
 def _default(p: QuantProblem, device: _platform.Device, interpret: bool) -> tuple[str, str]:
