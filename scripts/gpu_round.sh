@@ -20,6 +20,9 @@
 #   bench-gemm-prefill  the same at every M of m_prefill (512..8192), one run. Together they are the issues'
 #                 benchmark; all 14 M in one run would need about 12 minutes, more than a device call (BENCH_ALL_ARGS
 #                 overrides the models; each stops between shapes at 520 s: use PHASE_TIMEOUT=590)
+#   gemm-grid     python -m jaxfp8 bench --ops=gemm at M in {1, 7, 64, 100, 128, 256, 511, 512, 1000, 1024, 2048, 3000,
+#                 4096} beside cuBLAS blockwise (issue 37), GRID_MODELS of shapes.json per call (e.g.
+#                 deepseek_v3_tp8,deepseek_v3_tp16,qwen3_4b in a second call); not yet timed
 #   bench-quant   python -m jaxfp8 bench --ops=quant at the quantizer's widths K = 512..18432 and M = 1..16384
 #                 (~2 min; BENCH_QUANT_ARGS overrides them)
 #   grouped       the grouped GEMM's GPU tests (tests/test_grouped.py -m hopper: DeepSeek-V3 EP8 and Qwen3-30B-A3B
@@ -136,6 +139,11 @@ for phase in "${phases[@]}"; do
              --m=1,2,4,8,16,32,64,128,256 --time_budget_s=520 --out="$out/bench_gemm_decode_h200.json" ;;
     bench-gemm-prefill) run bench_gemm_prefill python3 -m jaxfp8 bench --ops=gemm ${BENCH_ALL_ARGS:-$gemm_models} \
              --m=512,1024,2048,4096,8192 --time_budget_s=520 --out="$out/bench_gemm_prefill_h200.json" ;;
+    gemm-grid) # issue 37's grid: every dense weight of shapes.json at its 13 M beside cuBLAS blockwise; about 400
+               # points, a few device calls: GRID_MODELS picks the models of one call (default the first two)
+               run gemm_grid python3 -m jaxfp8 bench --ops=gemm --models=${GRID_MODELS:-deepseek_v3,qwen3_32b} \
+                 --m=1,7,64,100,128,256,511,512,1000,1024,2048,3000,4096 --implementations=mosaic,triton,torch_scaled_mm \
+                 --time_budget_s=${GRID_BUDGET_S:-500} --out="$out/gemm_grid_h200.json" ;;
     bench-quant) run bench_quant python3 -m jaxfp8 bench --ops=quant ${BENCH_QUANT_ARGS:---k=512,2048,7168,18432 \
                    --m=1,16,64,256,1024,4096,16384} --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench --ops=gemm ${BENCH_GEMM_ARGS:-} --out="$out/gemm_h200.json" ;;
