@@ -160,7 +160,8 @@ def _plan(m, n, k, block_size, out_dtype, x_dtype, options, has_bias, device, ma
 def forward(x, w_q, w_s, bias, plan: LinearPlan, valid_rows=None):
   """Quantize (into the GEMM's buffers, padded by the quantizer itself), GEMM, (..., N). Traceable; checks nothing.
   Under `jax.vmap` each op folds the mapped axis into its rows (`quant.transformable`, `gemm.transformable`).
-  valid_rows (a masked plan): the quantizer writes pad rows past it and the GEMM returns 0 there."""
+  valid_rows (a masked plan): the quantizer's rows past it are pad rows (left unwritten in whole blocks where the GEMM
+  skips them) and the GEMM returns 0 there."""
   lead = tuple(x.shape[:-1])
   x3 = jnp.reshape(x, (1, math.prod(lead), x.shape[-1]))
   if plan.masked:
