@@ -194,7 +194,7 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, live_gmem, out_gmem,
     live_loop_rows = None
     if live_rows is not None:  # the loop rows holding a live row (pairs of row tiles with a cluster along M)
       rows_per_loop_row = cfg.tile_m * (2 if cfg.cluster_dim == Dim.M else 1)
-      live_loop_rows = jnp.minimum(lax.div(live_rows + rows_per_loop_row - 1, jnp.int32(rows_per_loop_row)), shape[0])
+      live_loop_rows = lax.div(live_rows + rows_per_loop_row - 1, jnp.int32(rows_per_loop_row))  # live_rows <= M
     tile_loop(cfg, shape, pair, live_loop_rows)
 
   warp_specialized(cfg, (a_gmem, b_gmem, as_gmem), slots_type, body, num_k_blocks=k // BLOCK,

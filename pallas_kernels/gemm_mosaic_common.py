@@ -331,8 +331,8 @@ def store_subtiles(accs, slots, cfg: MosaicGemmConfig, epi_n: int, finish, store
 def store_zero_subtiles(slots, cfg: MosaicGemmConfig, epi_n: int, out_dtype, store, slot_holds_zeros=None):
   """Writes zeros over one warpgroup's (wg_m, wg_n) part of a tile: slot 0 filled with zeros, then every piece's TMA
   store from it, none waited for (they all read the same zeros, which nothing rewrites before the next
-  store_subtiles waits for them). slot_holds_zeros (traced bool): the previous tile was zeros too, so slot 0 still
-  holds them: no wait, no fill, and a run of such tiles stores at the copy engine's pace. store(slot_ref, i, j, e): as
+  store_subtiles waits for them). slot_holds_zeros (traced bool; None: fill): the previous tile was zeros too, so
+  slot 0 still holds them: no wait, no fill, and a run of such tiles stores at the copy engine's pace. store(slot_ref, i, j, e): as
   in store_subtiles."""
   wg_m, wg_n = cfg.wg_tile
 
@@ -440,7 +440,7 @@ def tile_loop(cfg: MosaicGemmConfig, shape: tuple[int, int], tile, live_loop_row
   live_loop_rows: a traced count of the loop rows that hold live work (the rest are cheap: zeros to store). The
   persistent loop then visits those rows' tiles first and the rest after them (`live_first_order`), so that the live
   tiles spread evenly over the CTAs whatever the count, and calls tile(i, j, after_dead): whether this CTA's previous
-  tile was past the live rows too (always False with one CTA per tile)."""
+  tile was past the live rows too (with one CTA per tile there is none: tile(i, j))."""
   if cfg.persistent:
     @plgpu.nd_loop((shape[0] * shape[1],), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
@@ -452,10 +452,8 @@ def tile_loop(cfg: MosaicGemmConfig, shape: tuple[int, int], tile, live_loop_row
       live_tiles = live_loop_rows * shape[1]
       previous = lin_idx - lax.axis_size("sm")  # this CTA's previous tile: the loop strides by the grid
       tile(i, j, (loop_info.local_index > 0) & (previous >= live_tiles))
-  elif live_loop_rows is None:
-    tile(lax.axis_index("m"), lax.axis_index("n"))
   else:
-    tile(lax.axis_index("m"), lax.axis_index("n"), jnp.bool_(False))
+    tile(lax.axis_index("m"), lax.axis_index("n"))
 
 
 def live_first_order(lin_idx, shape: tuple[int, int], live_rows, minor_dim: int, tile_width: int):

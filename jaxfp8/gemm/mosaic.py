@@ -88,15 +88,15 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   n_blocks = n // BLOCK
   wide_tiles = cdiv(m, 128) * n_blocks  # 128x128
   fill_128 = _row_fill(m, 128)
-  scored: list[tuple[float, MosaicGemmConfig]] = []
+  # 64x128 tiles split in N (twice the 128x128 tiles): where those leave SMs idle, and without the register split
+  narrow = (_SPEED_64X128 * _balance(cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
+            _K.MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2, wg_split=_K.Dim.N,
+                                epi_tile_n=epi_tile_n))
   if not register_split:
-    scored.append((_SPEED_128X128 * _balance(wide_tiles, num_sms) * fill_128, _K.MosaicGemmConfig(
+    return [(_SPEED_128X128 * _balance(wide_tiles, num_sms) * fill_128, _K.MosaicGemmConfig(
         tile_m=128, tile_n=128, max_concurrent_steps=4, num_compute_wgs=2, wg_split=_K.Dim.M, grid_tile_width=16,
-        epi_tile_n=epi_tile_n)))
-    scored.append((_SPEED_64X128 * _balance(cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
-                   _K.MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
-                                       wg_split=_K.Dim.N, epi_tile_n=epi_tile_n)))
-    return scored
+        epi_tile_n=epi_tile_n)), narrow]
+  scored: list[tuple[float, MosaicGemmConfig]] = []
   # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), two K blocks per step (each
   # warpgroup's second wgmma overlaps the promotion of its first); three stages of 2 x 32 KiB leave room for
   # 16-column epilogue stores only. Half the 128x256 tile, so fewer wasted slots where those leave many of their last
@@ -118,11 +118,9 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
     speed = _SPEED_128X128_K2_ONE_WAVE if wider_tiles <= num_sms else _SPEED_128X128_K2
     scored.append((speed * two_block_occupancy, two_block_config))
   else:
-    # When the 128x128 tiles leave SMs idle too: 64x128 tiles split in N (twice the tiles).
+    # When the 128x128 tiles leave SMs idle too: the narrow tiles.
     scored.append((_SPEED_128X128_K2 * two_block_occupancy, two_block_config))
-    scored.append((_SPEED_64X128 * _balance(cdiv(m, 64) * n_blocks, num_sms) * _row_fill(m, 64),
-                   _K.MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=8, num_compute_wgs=2,
-                                    wg_split=_K.Dim.N, epi_tile_n=epi_tile_n)))
+    scored.append(narrow)
     # 160-wide tiles (scaled per column) where 160 divides N: M=256 N=10240 K=5120 (Qwen3-32B qkv) in 128 tiles of
     # 128x160 ran 32.7 us, vs 44.9 for 320 tiles of 64x128. Other widths measured slower than 128.
     if n % 160 == 0:
@@ -208,8 +206,8 @@ def row_alignment(m: int) -> tuple[int, str]:
 
 # With valid_rows, the row tiles past the count load nothing and run no wgmma (the kernel's live-row count).
 SKIPS_DEAD_ROWS = True
-# The live-row counts at which a traced count's schedule is chosen: a count runs the schedule of the first of these
-# at or above it (its exact count's schedule where the schedule does not change inside the range).
+
+
 @dataclasses.dataclass(frozen=True)
 class LiveRowSchedules:
   """The schedules of a call with a traced live-row count: at run time the count selects the schedule a call of that
