@@ -67,6 +67,8 @@ class MosaicGemmConfig:
     so that their latency hides behind a whole step. Pays in the decode schedule, where a step's wgmmas are short
     (H200, M=64: Qwen3 qkv 15.81 vs 16.48 us, dense_down 35.63 vs 36.03); costs elsewhere (M=1024 128x256 tiles
     4% slower, M=256 128x160 tiles scaled per column 1.5x), so the prefill schedules leave it off.
+  skip_idle_consumers: grouped kernel: a consumer warpgroup whose part of a work item's tile holds none of its rows
+    runs no wgmma (False: it computes rows it will not store, as two consumers did before the flag).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -82,6 +84,7 @@ class MosaicGemmConfig:
   grid_size: int | None = None
   cluster_dim: Dim | None = None
   weight_scales_ahead: bool = False
+  skip_idle_consumers: bool = True
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "max_concurrent_steps", "k_blocks_per_step", "num_compute_wgs",
@@ -378,10 +381,11 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
   """The warp-specialized structure both kernels run: one allocation of the TMA pipeline's stages (sized for the
   (a, b, a_s) views `operands`) and of the epilogue slots, shared by every tile the CTA computes.
 
-  body(compute_tile, slots, wg_idx) runs in every warpgroup. compute_tile(a, b, a_s, b_s, m_idx, n_idx, epilogue)
-  runs the K loop of output tile (m_idx, n_idx) over the views a (M_a, K), b (N, K), a_s (K/128, M_a') and the
-  (N/128, K/128) weight scales b_s, then epilogue(accs, row0, col0) in each consumer warpgroup, (row0, col0) being
-  its part's first element. slots: this consumer's (2, 64, epi_n) epilogue buffers.
+  body(compute_tile, slots, wg_idx) runs in every warpgroup. compute_tile(a, b, a_s, b_s, m_idx, n_idx, epilogue,
+  rows=None) runs the K loop of output tile (m_idx, n_idx) over the views a (M_a, K), b (N, K), a_s (K/128, M_a') and
+  the (N/128, K/128) weight scales b_s, then epilogue(accs, row0, col0) in each consumer warpgroup, (row0, col0) being
+  its part's first element; with rows = (lo, hi) (traced), only in the consumers whose part holds one of the output
+  rows [lo, hi). slots: this consumer's (2, 64, epi_n) epilogue buffers.
   """
   wg_m, wg_n = cfg.wg_tile
 
@@ -409,20 +413,32 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
     wg_idx = lax.axis_index("wg")
     wg_row0, wg_col0 = warpgroup_origin(cfg, wg_idx)
 
-    def compute_tile(a, b, a_s, b_s, m_idx, n_idx, epilogue):
+    def compute_tile(a, b, a_s, b_s, m_idx, n_idx, epilogue, rows=None):
       row0 = m_idx * cfg.tile_m + wg_row0
       col0 = n_idx * cfg.tile_n + wg_col0
+      # rows = (lo, hi): the tile's output rows that hold work. A consumer whose part misses them (the other expert's
+      # half of a tile two experts share, the dead half past a live-row count) still paces the pipeline with the
+      # others but runs no wgmma and stores nothing.
+      busy = None if rows is None else (rows[0] < row0 + wg_m) & (rows[1] > row0)
 
       def compute_context(run_pipeline):
         accs, _ = run_pipeline(initial_carry(b_s, col0, cfg, num_k_blocks, num_n_blocks))
-        epilogue(accs, row0, col0)
+        if busy is None:
+          epilogue(accs, row0, col0)
+        else:
+          pl.when(busy)(lambda: epilogue(accs, row0, col0))
 
       def mma_body(indices, a_smem, b_smem, as_smem, carry):
         (k_step,) = indices
-        return scaled_mma_step(
-            carry, a_smem.at[pl.ds(wg_row0, wg_m)], b_smem.at[pl.ds(wg_col0, wg_n)],
-            as_smem.at[:, pl.ds(wg_row0, wg_m)], b_s, k_step=k_step, col0=col0, cfg=cfg,
-            num_k_blocks=num_k_blocks, num_n_blocks=num_n_blocks)
+
+        def step(carry):
+          return scaled_mma_step(
+              carry, a_smem.at[pl.ds(wg_row0, wg_m)], b_smem.at[pl.ds(wg_col0, wg_n)],
+              as_smem.at[:, pl.ds(wg_row0, wg_m)], b_s, k_step=k_step, col0=col0, cfg=cfg,
+              num_k_blocks=num_k_blocks, num_n_blocks=num_n_blocks)
+
+        # An idle consumer's carry is never read: it neither stores nor outlives the tile.
+        return step(carry) if busy is None else lax.cond(busy, step, lambda c: c, carry)
 
       pipeline(mma_body, compute_context, m_idx, n_idx)(a, b, a_s, allocations=pipeline_allocs)
 

@@ -16,7 +16,8 @@ every output row once. A jnp prologue cuts the segments at row-tile boundaries i
 segment), computed items first, then zero items, then dead padding items up to a static count, so that the kernel's
 grid has a static size while routing changes never recompile. The kernel loops over (item, column tile) pairs: an
 empty expert owns no item and no CTA waits on it; a row tile that two experts share is computed once per expert,
-each storing only its own rows.
+each storing only its own rows, and in each of those a consumer warpgroup whose 64-row part holds none of the item's
+rows runs no wgmma (with two consumers split along M, an expert boundary costs half a tile, not a whole one).
 
 A work item's A tile is the aligned row tile holding its rows (TMA zero-fills rows past M_a), read with the (8, 128)
 tiling and 128-byte swizzle the 8-bit wgmma needs. Its output rows are a run [lo, hi) that can start and end anywhere
@@ -211,7 +212,7 @@ def _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *, cfg: Mosa
       @pl.when((hi > lo) & (group != ZERO_GROUP))
       def _compute():
         compute_tile(a_gmem.at[batch], b_gmem.at[group], as_gmem.at[batch], bs_gmem.at[group], block, n_idx,
-                     epilogue)
+                     epilogue, rows=(lo, hi) if cfg.skip_idle_consumers else None)
 
       # Rows no group owns: the consumers store zeros (the producer has nothing to load).
       @pl.when((hi > lo) & (group == ZERO_GROUP) & (wg_idx < cfg.num_compute_wgs))

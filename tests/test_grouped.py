@@ -213,7 +213,8 @@ def test_routing_changes_never_recompile(rng):
 # ---------------------------------------------------------------------------------------- the Mosaic kernel, interpreted
 
 # Every structure of the grouped kernel, small enough to interpret: one consumer warpgroup on a persistent grid or one
-# CTA per (item, column tile), two warpgroups split in M or N, two K blocks per step, weight scales ahead.
+# CTA per (item, column tile), two warpgroups split in M or N (the idle one skipping its wgmmas, or not), two K blocks per
+# step, weight scales ahead.
 KINDS = {
     "ws1_64x128_persistent": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, num_compute_wgs=1,
                                               grid_size=3),
@@ -222,6 +223,9 @@ KINDS = {
     "ws2_m_128x128_k2": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, k_blocks_per_step=2,
                                          grid_size=2, grid_minor_dim=Dim.M, grid_tile_width=2),
     "ws2_n_64x256": MosaicGemmConfig(tile_m=64, tile_n=256, max_concurrent_steps=2, wg_split=Dim.N, grid_size=2),
+    # Both consumers compute every work item's tile, the one holding none of its rows included.
+    "ws2_m_128x128_no_skip": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, grid_size=2,
+                                              skip_idle_consumers=False),
 }
 
 needs_mosaic = pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="the Mosaic GPU kernel does not import here")
