@@ -409,8 +409,9 @@ def test_plans_say_why():
       prefill = grouped.plan_for(a, b, (128, 128))
       decode = grouped.plan_for(jax.ShapeDtypeStruct((32, 64, 7168), F8), b, (128, 128))
       odd = grouped.plan_for(a, b, (128, 64))
-    assert prefill.implementation == "mosaic" and prefill.config.tile_m == 128 and "prefill" in str(prefill)
-    assert decode.config.tile_m == 64 and "decode" in str(decode)
+    assert prefill.implementation == "mosaic" and prefill.config.persistent and "prefill" in str(prefill)
+    assert (prefill.config.tile_m, prefill.config.tile_n, prefill.config.wg_split) == (64, 256, ggm.Dim.N)
+    assert decode.config.tile_m == 64 and not decode.config.persistent and "decode" in str(decode)
     assert odd.implementation == "xla" and "block_size=(128, 128) only" in str(odd)
 
 

@@ -1,9 +1,10 @@
 """The Mosaic GPU grouped-GEMM backend (Hopper): what it runs, its schedule heuristic, and its launch.
 
-The kernel (pallas_kernels/grouped_gemm_mosaic.py) builds any config it is given; the choice lives here. The two
-schedules are the dense GEMM's (jaxfp8/gemm/mosaic.py) for the rows one expert sees: the decode schedule where an
-expert's rows fit in one 64-row tile (the weights stream once, spread over many CTAs), a 128x128 tile on two
-consumer warpgroups above that. They have not been tuned for grouped problems on a GPU yet.
+The kernel (pallas_kernels/grouped_gemm_mosaic.py) builds any config it is given; the choice lives here, by the rows
+one expert sees: where they fit in one 64-row tile, the dense GEMM's decode schedule (jaxfp8/gemm/mosaic.py: the
+weights stream once, spread over many CTAs); above that 64x256 tiles on two consumer warpgroups side by side, whose
+64-row work items waste little where an expert's rows end inside a tile (measured on the H200 against the dense
+GEMM's 128x128 prefill tile).
 """
 
 from __future__ import annotations
@@ -42,14 +43,20 @@ def default_config(problem):
   if rows_per_group(problem) <= WGMMA_M:
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
                                 num_compute_wgs=1, persistent=False, weight_scales_ahead=True)
+  elif problem.n % (2 * BLOCK) == 0:
+    # 64x256 tiles, two consumers side by side along N, persistent: a work item is one 64-row tile, so an expert
+    # boundary inside a tile costs 64 rows computed twice, not 128 (or one idle consumer of a 128-row tile, which
+    # still paces the other's pipeline). One K block per step: each consumer holds one wgmma accumulator beside the
+    # running one, which fits the launch's registers where JAX 0.12 drops setmaxnreg (dense.register_split_kept).
+    # On the H200 (balanced routing) it beat 128x128 tiles split along M at 11 of 12 prefill points: DeepSeek-V3 EP8
+    # gate_up at 4096 / 16384 routed rows 385.5 / 998.9 us vs 467.0 / 1054.8, Qwen3-30B-A3B gate_up at 32768 274.1 vs
+    # 299.8, down 185.4 vs 194.9; level at 1024 rows per expert (DeepSeek-V3 gate_up 1919.4 vs 1889.1, down 1005.9
+    # vs 1022.9); benchmarks/grouped_prefill_h200.md.
+    config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=2 * BLOCK, max_concurrent_steps=4, k_blocks_per_step=1,
+                                num_compute_wgs=2, wg_split=K.Dim.N, grid_minor_dim=K.Dim.M, grid_tile_width=8)
   else:
-    # The persistent grid visits 8 work items (mostly of one expert) per column tile before moving on, so that an
-    # expert's weight tiles are read from L2 by all of its row tiles. One K block per step: its consumers hold one
-    # wgmma accumulator beside the running one, which fits the launch's 168 registers a thread where JAX 0.12 drops
-    # setmaxnreg (dense.register_split_kept). On the H200 at 4096 routed rows it ran the same under JAX 0.11.2 and
-    # 0.12 and level with two K blocks per step under 0.11.2 (DeepSeek-V3 EP8 gate_up / down, Qwen3-30B-A3B gate_up
-    # / down: 457.5 / 248.1 / 147.7 / 96.1 us against 471.1 / 256.9 / 144.3 / 99.1; under 0.12 454.2 / 251.3 /
-    # 145.0 / 99.1; scripts/jax012_ab.sh with GROUPED=1).
+    # An N of an odd number of 128-column blocks: 128x128 tiles on two consumers split along M, the idle one of a
+    # tile that holds only another expert's rows skipping its wgmmas. One K block per step, as above.
     config = K.MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=1,
                                 num_compute_wgs=2, grid_minor_dim=K.Dim.M, grid_tile_width=8)
   return fit_smem(config, problem.out_dtype, problem.k)
@@ -82,7 +89,7 @@ def unsupported(problem) -> str | None:
 def default_config_for(problem, device: _platform.Device):
   del device
   config = default_config(problem)
-  kind = "decode" if config.tile_m == WGMMA_M else "prefill"
+  kind = "decode" if not config.persistent else "prefill"
   return config, (f"the {kind} schedule for {rows_per_group(problem):g} rows per group "
                   f"({'at most' if kind == 'decode' else 'more than'} one {WGMMA_M}-row tile)")
 
