@@ -10,6 +10,7 @@ GEMM's 128x128 prefill tile).
 from __future__ import annotations
 
 import importlib
+import math
 
 import jax.numpy as jnp
 
@@ -37,29 +38,77 @@ def rows_per_group(problem) -> float:
   return problem.rows / max(problem.groups, 1)
 
 
-def default_config(problem):
-  """The schedule for `problem` (see the module docstring), fitted to shared memory."""
+# Rows per expert from which the persistent 64x256 schedule runs (`default_config`); below it, and where its tiles
+# would fill under PERSISTENT_MIN_WAVE_FILL of their last wave, the decode schedule.
+PERSISTENT_MIN_ROWS_PER_GROUP = 16
+PERSISTENT_MIN_WAVE_FILL = 0.8
+# K up to which the persistent schedule runs from PERSISTENT_SHORT_K_MIN_ROWS rows per expert: with a few K blocks
+# a CTA per (item, column tile) spends more on its start than on its loads.
+PERSISTENT_SHORT_K = 1024
+PERSISTENT_SHORT_K_MIN_ROWS = 0.5
+
+
+def persistent_wave_fill(problem, num_sms: int) -> float:
+  """The share of the persistent 64x256 schedule's last wave of tiles that is busy, from the expected work items of a
+  ragged problem under balanced routing: an expert's run of r rows at a random offset touches about r / 64 + 1 row
+  tiles."""
+  rpg = rows_per_group(problem)
+  live_groups = min(problem.groups, max(problem.rows, 1))
+  tiles = live_groups * (rpg / WGMMA_M + 1) * -(-problem.n // (2 * BLOCK))
+  waves = tiles / num_sms
+  return waves / math.ceil(waves)
+
+
+def default_config(problem, num_sms: int):
+  """(the schedule for `problem`, why), fitted to shared memory. The persistent 64x256 schedule: two consumers side
+  by side along N, so that a work item is one 64-row tile and an expert boundary inside a tile costs 64 rows
+  computed twice (a 128-row tile split along M costs an idle consumer that still paces the other's pipeline). One K
+  block per step: each consumer holds one wgmma accumulator beside the running one, which fits the launch's
+  registers where JAX 0.12 drops setmaxnreg (dense.register_split_kept).
+
+  Measured on the H200 (balanced routing; benchmarks/grouped_prefill_h200.md, grouped_medium_h200.md): above 64 rows
+  per expert it beat 128x128 tiles split along M at 11 of 12 points (DeepSeek-V3 EP8 gate_up at 4096 / 16384 routed
+  rows 385.5 / 998.9 us vs 467.0 / 1054.8; Qwen3-30B-A3B gate_up at 32768 274.1 vs 299.8) and was level at 1024 rows
+  per expert (DeepSeek-V3 gate_up 1919.4 vs 1889.1, down 1005.9 vs 1022.9). Against the decode schedule it won from
+  16 rows per expert (DeepSeek-V3 gate_up at 512 rows 233.9 vs 253.6, 2048 307.3 vs 382.3), lost below (8 rows:
+  243.6 vs 238.3), lost where its tiles left most of a last wave idle (Qwen3-235B EP8 gate_up at 32 rows per expert:
+  288 tiles on 132 SMs, 71.7 vs 65.2) and won at K=768 from half a row per expert (Qwen3-30B-A3B down at 64 / 256
+  rows: 33.5 / 55.7 vs 35.2 / 67.5)."""
   K = _kernel()
-  if rows_per_group(problem) <= WGMMA_M:
+  rpg = rows_per_group(problem)
+  fill = persistent_wave_fill(problem, num_sms)
+  if problem.layout == "masked":
+    # T rows a group is a capacity, not the rows routed (a decode batch fills a few of them): the decode schedule up
+    # to one 64-row tile of it.
+    persistent = rpg > WGMMA_M
+    why = f"{rpg:g} rows of capacity per group (masked layout)"
+  elif problem.n % (2 * BLOCK):
+    persistent = rpg > WGMMA_M
+    why = (f"{rpg:g} rows per group; N={problem.n} is an odd number of 128-column blocks: "
+           + ("128x128 tiles on two consumers split along M" if persistent else "the decode schedule"))
+  elif problem.k <= PERSISTENT_SHORT_K and rpg >= PERSISTENT_SHORT_K_MIN_ROWS:
+    persistent = True
+    why = (f"{rpg:g} rows per group at K={problem.k} <= {PERSISTENT_SHORT_K}: persistent 64x256 tiles (a CTA per "
+           "tile would spend more on its start than on its few K blocks)")
+  elif rpg >= PERSISTENT_MIN_ROWS_PER_GROUP and fill >= PERSISTENT_MIN_WAVE_FILL:
+    persistent = True
+    why = f"{rpg:g} rows per group: persistent 64x256 tiles (their last wave {fill:.0%} full)"
+  else:
+    persistent = False
+    why = (f"the decode schedule for {rpg:g} rows per group ("
+           + (f"< {PERSISTENT_MIN_ROWS_PER_GROUP}" if rpg < PERSISTENT_MIN_ROWS_PER_GROUP else
+              f"the persistent tiles would fill {fill:.0%} of their last wave")
+           + ")")
+  if not persistent:
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
                                 num_compute_wgs=1, persistent=False, weight_scales_ahead=True)
   elif problem.n % (2 * BLOCK) == 0:
-    # 64x256 tiles, two consumers side by side along N, persistent: a work item is one 64-row tile, so an expert
-    # boundary inside a tile costs 64 rows computed twice, not 128 (or one idle consumer of a 128-row tile, which
-    # still paces the other's pipeline). One K block per step: each consumer holds one wgmma accumulator beside the
-    # running one, which fits the launch's registers where JAX 0.12 drops setmaxnreg (dense.register_split_kept).
-    # On the H200 (balanced routing) it beat 128x128 tiles split along M at 11 of 12 prefill points: DeepSeek-V3 EP8
-    # gate_up at 4096 / 16384 routed rows 385.5 / 998.9 us vs 467.0 / 1054.8, Qwen3-30B-A3B gate_up at 32768 274.1 vs
-    # 299.8, down 185.4 vs 194.9; level at 1024 rows per expert (DeepSeek-V3 gate_up 1919.4 vs 1889.1, down 1005.9
-    # vs 1022.9); benchmarks/grouped_prefill_h200.md.
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=2 * BLOCK, max_concurrent_steps=4, k_blocks_per_step=1,
                                 num_compute_wgs=2, wg_split=K.Dim.N, grid_minor_dim=K.Dim.M, grid_tile_width=8)
   else:
-    # An N of an odd number of 128-column blocks: 128x128 tiles on two consumers split along M, the idle one of a
-    # tile that holds only another expert's rows skipping its wgmmas. One K block per step, as above.
     config = K.MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=1,
                                 num_compute_wgs=2, grid_minor_dim=K.Dim.M, grid_tile_width=8)
-  return fit_smem(config, problem.out_dtype, problem.k)
+  return fit_smem(config, problem.out_dtype, problem.k), why
 
 
 def fit_smem(config, out_dtype, k: int):
@@ -87,11 +136,9 @@ def unsupported(problem) -> str | None:
 
 
 def default_config_for(problem, device: _platform.Device):
-  del device
-  config = default_config(problem)
-  kind = "decode" if not config.persistent else "prefill"
-  return config, (f"the {kind} schedule for {rows_per_group(problem):g} rows per group "
-                  f"({'at most' if kind == 'decode' else 'more than'} one {WGMMA_M}-row tile)")
+  config, why = default_config(problem, device.num_sms)
+  kind = "prefill" if config.persistent else "decode"
+  return config, f"the {kind} schedule on {device.num_sms} SMs: {why}"
 
 
 def config_problem(problem, config) -> str | None:
