@@ -48,9 +48,10 @@ def problems(k: int, dtype, config: GatherRowsConfig) -> list[str]:
 
 
 def gather_rows(x: jax.Array, src: jax.Array, count: jax.Array, *, config: GatherRowsConfig,
-                interpret: bool = False) -> jax.Array:
-  """(R, K): row r < count is x[src[r]]; rows from count on are not written. x (T, K); src int32 (R,) with every
-  src[r] for r < count in [0, T); count an int32 scalar (clipped to [0, R]). The caller checks `problems`."""
+                src_divisor: int = 1, interpret: bool = False) -> jax.Array:
+  """(R, K): row r < count is x[src[r] // src_divisor]; rows from count on are not written. x (T, K); src int32 (R,)
+  with every src[r] // src_divisor for r < count in [0, T); count an int32 scalar (clipped to [0, R] in the kernel:
+  a clip before the launch would be a kernel of its own). The caller checks `problems`."""
   t, k = x.shape
   rows = src.shape[0]
   bm = config.block_rows
@@ -58,14 +59,15 @@ def gather_rows(x: jax.Array, src: jax.Array, count: jax.Array, *, config: Gathe
 
   def body(x_gmem, src_gmem, count_gmem, out_gmem, smem, barriers):
     row0 = lax.axis_index("block") * bm
-    live = count_gmem[0]
+    live = jnp.minimum(jnp.maximum(count_gmem[0], 0), rows)
 
     @pl.when(row0 < live)
     def _block():
       for i in range(bm):
         @pl.when(row0 + i < live)
         def _load(i=i):
-          plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(src_gmem[row0 + i], 1)], smem.at[pl.ds(i, 1)], barriers.at[i])
+          src_row = src_gmem[row0 + i] if src_divisor == 1 else lax.div(src_gmem[row0 + i], jnp.int32(src_divisor))
+          plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(src_row, 1)], smem.at[pl.ds(i, 1)], barriers.at[i])
 
       for i in range(bm):
         @pl.when(row0 + i < live)
@@ -84,8 +86,7 @@ def gather_rows(x: jax.Array, src: jax.Array, count: jax.Array, *, config: Gathe
       scratch_types=[plgpu.SMEM((bm, k // LANE, LANE), x.dtype), plgpu.Barrier(num_barriers=bm)],
       interpret=interpret_params,
   )
-  live = jnp.clip(jnp.asarray(count).astype(jnp.int32), 0, rows).reshape(1)
-  return f(x3, src.astype(jnp.int32), live).reshape(rows, k)
+  return f(x3, src.astype(jnp.int32), jnp.asarray(count).astype(jnp.int32).reshape(1)).reshape(rows, k)
 
 
 __all__ = ["GatherRowsConfig", "gather_rows", "problems"]

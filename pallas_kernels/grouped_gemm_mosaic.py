@@ -258,16 +258,29 @@ def grouped_block_fp8_matmul(
   return f(items, a3, b_q, a_s3, b_s)
 
 
+def ragged_items(group_sizes: jax.Array, m: int, tile_m: int, zero_unowned_rows: bool = True) -> jax.Array:
+  """The work-item table of the ragged layout on M = m rows (`work_items`): a launch's prologue, which a caller
+  running several GEMMs on one routing (an MoE layer's two) can build once and pass to each."""
+  return work_items(ragged_segments(group_sizes, m, zero_unowned_rows), tile_m,
+                    ragged_num_items(m, group_sizes.shape[0], tile_m))
+
+
+def masked_items(masked_m: jax.Array, rows: int, tile_m: int, zero_unowned_rows: bool = True) -> jax.Array:
+  """The work-item table of the masked layout on T = rows rows per group (`work_items`)."""
+  return work_items(masked_segments(masked_m, rows, zero_unowned_rows), tile_m,
+                    masked_num_items(masked_m.shape[0], rows, tile_m, zero_unowned_rows))
+
+
 def ragged_block_fp8_matmul(a_q, b_q, a_s_col, b_s, group_sizes, *, out_dtype=jnp.bfloat16,
                             config: MosaicGemmConfig, num_sms: int, zero_unowned_rows: bool = True,
-                            interpret: bool = False) -> jax.Array:
+                            items: jax.Array | None = None, interpret: bool = False) -> jax.Array:
   """The ragged layout: a_q (M, K), a_s_col (K/128, M') column-major (M' >= M, M' % 4 == 0), b_q (E, N, K),
   b_s (E, N/128, K/128), group_sizes int32 (E,). Returns (M, N); the rows past the groups are zeros, or with
-  zero_unowned_rows=False not written at all (for a caller that never reads them)."""
+  zero_unowned_rows=False not written at all (for a caller that never reads them). items: `ragged_items` of these
+  group sizes for config.tile_m (None: built here)."""
   m = a_q.shape[0]
-  num_groups = b_q.shape[0]
-  items = work_items(ragged_segments(group_sizes, m, zero_unowned_rows), config.tile_m,
-                     ragged_num_items(m, num_groups, config.tile_m))
+  if items is None:
+    items = ragged_items(group_sizes, m, config.tile_m, zero_unowned_rows)
   out = grouped_block_fp8_matmul(a_q[None], b_q, a_s_col[None], b_s, items, out_rows=m, out_dtype=out_dtype,
                                  config=config, num_sms=num_sms, interpret=interpret)
   return out[0]
@@ -275,17 +288,17 @@ def ragged_block_fp8_matmul(a_q, b_q, a_s_col, b_s, group_sizes, *, out_dtype=jn
 
 def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.bfloat16,
                             config: MosaicGemmConfig, num_sms: int, zero_unowned_rows: bool = True,
-                            interpret: bool = False) -> jax.Array:
+                            items: jax.Array | None = None, interpret: bool = False) -> jax.Array:
   """The masked layout: a_q (E, T, K), a_s_col (E, K/128, T') column-major (T' >= T, T' % 4 == 0), b_q (E, N, K),
   b_s (E, N/128, K/128), masked_m int32 (E,). Returns (E, T, N); rows past masked_m are zeros, or with
-  zero_unowned_rows=False not written."""
-  num_groups, rows = a_q.shape[:2]
-  items = work_items(masked_segments(masked_m, rows, zero_unowned_rows), config.tile_m,
-                     masked_num_items(num_groups, rows, config.tile_m, zero_unowned_rows))
+  zero_unowned_rows=False not written. items: `masked_items` of these counts for config.tile_m (None: built here)."""
+  rows = a_q.shape[1]
+  if items is None:
+    items = masked_items(masked_m, rows, config.tile_m, zero_unowned_rows)
   return grouped_block_fp8_matmul(a_q, b_q, a_s_col, b_s, items, out_rows=rows, out_dtype=out_dtype,
                                   config=config, num_sms=num_sms, interpret=interpret)
 
 
 __all__ = ["BLOCK", "SMEM_BYTES", "WGMMA_M", "Dim", "MosaicGemmConfig", "config_problems", "fit_smem",
            "ragged_block_fp8_matmul", "masked_block_fp8_matmul", "grouped_block_fp8_matmul", "work_items",
-           "ragged_segments", "masked_segments", "epi_n", "smem_bytes"]
+           "ragged_items", "masked_items", "ragged_segments", "masked_segments", "epi_n", "smem_bytes"]

@@ -441,7 +441,8 @@ def _kernel_body(
   expert = lax.axis_index("expert")
   row0 = _row_block_start(plan, row_block)
   rows = pl.ds(row0, bm)
-  num_valid = jnp.minimum(valid_gmem[expert], plan.rows_in)
+  # clipped here: a clip before the launch would be a kernel launch of its own
+  num_valid = jnp.minimum(jnp.maximum(valid_gmem[expert], 0), plan.rows_in)
   # With no live row there is nothing to read: the block is all pad rows.
   any_live = row0 < num_valid
 

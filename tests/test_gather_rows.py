@@ -22,10 +22,10 @@ def _case(rng, t, k, r, dtype=F8):
   return jnp.asarray(x).astype(dtype), rng.integers(0, t, r).astype(np.int32)
 
 
-def _gather(x, src, count, block_rows, interpret):
+def _gather(x, src, count, block_rows, interpret, divisor=1):
   from pallas_kernels import gather_rows_mosaic as g
   return g.gather_rows(x, jnp.asarray(src), jnp.int32(count), config=g.GatherRowsConfig(block_rows),
-                       interpret=interpret)
+                       src_divisor=divisor, interpret=interpret)
 
 
 @pytest.mark.parametrize("block_rows", [1, 8, 5])
@@ -34,11 +34,21 @@ def test_live_rows_are_gathered_and_the_rest_left_unwritten(rng, block_rows):
     t, k, r = int(rng.integers(1, 40)), 128 * int(rng.integers(1, 5)), int(rng.integers(1, 70))
     x, src = _case(rng, t, k, r)
     expected = np.asarray(x).astype(np.float32)[src]
-    for count in sorted({0, 1, int(rng.integers(0, r + 1)), r, r + 7}):
+    for count in sorted({-3, 0, 1, int(rng.integers(0, r + 1)), r, r + 7}):
       out = np.asarray(_gather(x, src, count, block_rows, True)).astype(np.float32)
-      live = min(count, r)
+      live = min(max(count, 0), r)
       np.testing.assert_array_equal(out[:live], expected[:live])
       assert np.isnan(out[live:]).all(), "a row past the count was written"
+
+
+def test_source_rows_divided_in_the_kernel(rng):
+  """src_divisor: the MoE layer passes each row's slot and top_k; the kernel reads the slot's token row."""
+  t, k, r, top_k = 11, 256, 40, 3
+  x, _ = _case(rng, t, k, r)
+  slots = rng.integers(0, t * top_k, r).astype(np.int32)
+  out = np.asarray(_gather(x, slots, 29, 8, True, divisor=top_k)).astype(np.float32)
+  np.testing.assert_array_equal(out[:29], np.asarray(x).astype(np.float32)[slots[:29] // top_k])
+  assert np.isnan(out[29:]).all()
 
 
 def test_other_dtypes_and_one_compile_for_every_count(rng):
@@ -67,6 +77,7 @@ def test_lowers_for_an_h200(t, r, k):
                              platforms=["cuda"])(jax.ShapeDtypeStruct((t, k), F8), jax.ShapeDtypeStruct((r,), jnp.int32),
                                                  jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  assert "stablehlo.clamp" not in text and "stablehlo.maximum" not in text, "the count is clipped in the kernel"
   assert "stablehlo.gather" not in text, "the rows must be moved by the kernel, not by an XLA gather"
 
 

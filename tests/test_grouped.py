@@ -275,6 +275,30 @@ def test_mosaic_leaves_unowned_rows_unwritten_when_asked(rng, layout):
   assert (zeroed[~owned] == 0).all() and np.isnan(unwritten[~owned]).all()
 
 
+@pytest.mark.parametrize("layout", ["ragged", "masked"])
+@pytest.mark.parametrize("implementation", ["xla", pytest.param("mosaic", marks=needs_mosaic)])
+def test_a_prepared_routing_table_gives_the_same_result(rng, implementation, layout):
+  """`grouped.planner.prepare` once, `run(..., prepared=True)` with it: bit for bit the call on the counts (the MoE
+  layer builds one table for its two GEMMs)."""
+  from jaxfp8 import grouped
+  if layout == "ragged":
+    rows, counts = 150, [70, 0, 1, 60, 0, 10]
+    args, _ = _ragged_case(rng, counts, rows, 256, 256, column_major=True)
+  else:
+    rows, counts = 70, [5, 0, 70, 33]
+    args, _ = _masked_case(rng, counts, rows, 256, 256, column_major=True)
+  a_q, b_q, a_s, b_s, sizes = map(jnp.asarray, args[:5])
+  p = grouped.problem(layout, b_q.shape[0], rows, b_q.shape[1], b_q.shape[2], (128, 128), out_dtype=jnp.float32,
+                      a_s_column_major=True)
+  config = KINDS["ws1_64x128_k2_ahead"] if implementation == "mosaic" else None
+  plan = grouped.plan(p, implementation=implementation, config=config, interpret=True)
+  table = grouped.planner.prepare(sizes, plan)
+  direct = grouped.planner.run(a_q, b_q, a_s, b_s, sizes, plan=plan)
+  prepared = grouped.planner.run(a_q, b_q, a_s, b_s, table, plan=plan, prepared=True)
+  np.testing.assert_array_equal(np.asarray(prepared), np.asarray(direct))
+  assert np.isfinite(np.asarray(direct)).all() and np.asarray(direct).any()
+
+
 @needs_mosaic
 @pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_m_128x128_k2"])
 def test_mosaic_masked_interpreted(rng, kind):

@@ -365,6 +365,24 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
   assert f"<{rows}x{2 * i}xf32>" not in text, "gate_up's output widened to float32 outside the kernels"
 
 
+@needs_mosaic
+@pytest.mark.parametrize("tokens,top_k,e,h,i", [(1, 8, 32, 7168, 2048), (64, 8, 128, 2048, 768),
+                                                (4096, 8, 128, 2048, 768)])
+def test_dispatch_builds_one_work_item_table_for_both_gemms(monkeypatch, tokens, top_k, e, h, i):
+  """The two grouped GEMMs of the layer run on one routing: dispatch builds their work-item table once (a prologue
+  of a few small kernels at decode) and both take it."""
+  from jaxfp8 import grouped
+  with _platform.abstract_h200():
+    plan = moe.explain(jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
+                       jax.ShapeDtypeStruct((e, h, i), F8), top_k)
+  assert grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down), str(plan)
+  built = []
+  prepare = grouped.planner.prepare
+  monkeypatch.setattr(grouped.planner, "prepare", lambda *a, **kw: built.append(1) or prepare(*a, **kw))
+  d = jax.eval_shape(lambda ids: moe_layer.dispatch(ids, e, plan), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32))
+  assert len(built) == 1 and d.tables[0].shape == d.tables[1].shape and d.tables[0].dtype == jnp.int32
+
+
 def test_dispatch_is_stable_and_puts_outside_ids_last():
   d = moe_layer.dispatch(jnp.array([[2, -1], [0, 2], [5, 0]], jnp.int32), 3)
   np.testing.assert_array_equal(np.asarray(d.group_sizes), [2, 0, 2])

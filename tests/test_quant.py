@@ -103,8 +103,8 @@ def test_fused_silu_and_mul(implementation, dtype, rng):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_masked_m(implementation, rng):
   helpers.runnable(implementation)
-  x = random_activations(rng, (4, 11, 256), INPUT_DTYPES["bf16"])
-  masked_m = np.array([0, 11, 5, 99], np.int32)  # empty, full, partial, beyond T (clamped)
+  x = random_activations(rng, (5, 11, 256), INPUT_DTYPES["bf16"])
+  masked_m = np.array([0, 11, 5, 99, -3], np.int32)  # empty, full, partial, beyond T and below 0 (clamped)
   for options in (dict(column_major_scales=True, row_alignment=4, scale_tma_aligned=True), dict(),
                   dict(scale_ue8m0=True, pack_ue8m0=True, row_alignment=4)):
     q, s = jaxfp8.per_token_group_quant_fp8(jnp.asarray(x), 128, masked_m=jnp.asarray(masked_m),

@@ -155,9 +155,25 @@ def _column_major(a_s, rows: int, column_major: bool):
   return a_s_col
 
 
-def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device: _platform.Device):
+def items_key(problem, config):
+  """What the work-item table of a call depends on besides its counts: calls with equal keys can share one."""
+  return ("mosaic", problem.layout, problem.groups, problem.rows, problem.zero_unowned_rows, config.tile_m)
+
+
+def prepare(counts, problem, config):
+  """The work-item table of `counts` (the launch's prologue, `items_key`)."""
+  K = _kernel()
+  if problem.layout == "ragged":
+    return K.ragged_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
+  return K.masked_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
+
+
+def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device: _platform.Device,
+           prepared: bool = False):
+  """prepared: counts is `prepare`'s table for this problem and config, not the group sizes or masked_m."""
   K = _kernel()
   f = K.ragged_block_fp8_matmul if problem.layout == "ragged" else K.masked_block_fp8_matmul
-  return f(a_q, b_q, _column_major(a_s, problem.rows, problem.a_s_column_major), b_s, counts,
+  items = counts if prepared else None
+  return f(a_q, b_q, _column_major(a_s, problem.rows, problem.a_s_column_major), b_s, None if prepared else counts,
            out_dtype=problem.out_dtype, config=config, num_sms=device.num_sms,
-           zero_unowned_rows=problem.zero_unowned_rows, interpret=interpret)
+           zero_unowned_rows=problem.zero_unowned_rows, items=items, interpret=interpret)

@@ -112,12 +112,26 @@ def plan(p: GroupedProblem, *, implementation: str | None = None, config=None, i
   return GroupedPlan(p, implementation, config, interpret, reason or why, config_reason, device)
 
 
-@functools.partial(jax.jit, static_argnames=("plan",))
-def run(a_q, b_q, a_s, b_s, counts, *, plan: GroupedPlan) -> jax.Array:
+def prepare(counts: jax.Array, plan: GroupedPlan) -> jax.Array:
+  """What `run(..., prepared=True)` takes instead of the counts: the implementation's routing table (the Mosaic
+  kernel's work items; XLA's counts as they are). A caller running several GEMMs on one routing builds it once for
+  each distinct `prepared_key` (the MoE layer: one for both projections)."""
+  p = plan.problem
+  return counts if p.empty else BACKENDS[plan.implementation].prepare(counts, p, plan.config)
+
+
+def prepared_key(plan: GroupedPlan):
+  """Plans with equal keys take the same `prepare` table."""
+  p = plan.problem
+  return ("empty",) if p.empty else BACKENDS[plan.implementation].items_key(p, plan.config)
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "prepared"))
+def run(a_q, b_q, a_s, b_s, counts, *, plan: GroupedPlan, prepared: bool = False) -> jax.Array:
   """Executes `plan`: (M, N) for the ragged layout, (E, T, N) for the masked one, in the plan's out_dtype.
-  counts: group_sizes (ragged) or masked_m (masked)."""
+  counts: group_sizes (ragged) or masked_m (masked), or with prepared=True `prepare(counts, plan)`."""
   p = plan.problem
   if p.empty:
     return jnp.zeros(p.out_shape, p.out_dtype)  # an empty sum is 0
   return BACKENDS[plan.implementation].launch(a_q, b_q, a_s, b_s, counts, p, plan.config, plan.interpret,
-                                              plan.device or _platform.device())
+                                              plan.device or _platform.device(), prepared=prepared)

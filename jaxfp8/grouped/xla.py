@@ -126,8 +126,19 @@ def config_problem(problem, config) -> str | None:
   return None
 
 
-def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device):
-  del config, interpret, device
+def items_key(problem, config):
+  """XLA needs no work-item table: its `prepare` is the counts themselves."""
+  del config
+  return ("xla", problem.layout, problem.groups, problem.rows)
+
+
+def prepare(counts, problem, config):
+  del problem, config
+  return counts
+
+
+def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device, prepared: bool = False):
+  del config, interpret, device, prepared  # prepared counts are the counts
   f = ragged_block_fp8_matmul_xla if problem.layout == "ragged" else masked_block_fp8_matmul_xla
   return f(a_q, b_q, a_s, b_s, counts, block_size=tuple(problem.block_size),
            a_s_column_major=problem.a_s_column_major, out_dtype=problem.out_dtype)

@@ -1,6 +1,7 @@
 """The MoE layer's forward (docs/CONTRACT.md §8) as named steps, each a function of arrays and the plan.
 
-    dispatch    the routed slots in expert order: the order, its inverse, the group sizes, the live row count
+    dispatch    the routed slots in expert order: the order, its inverse, the group sizes, the live row count, and
+                the grouped GEMMs' routing tables (built once for both)
     quantize    the tokens, once
     permute     each live row's token codes and scales gathered into expert order
     gate_up     the first grouped GEMM
@@ -41,9 +42,21 @@ class Dispatch(NamedTuple):
   rank: jax.Array         # (R,) int32: the expert-order row of each slot (order's inverse)
   group_sizes: jax.Array  # (E,) int32: rows of each expert
   live: jax.Array         # () int32: rows some expert owns (the sum of group_sizes)
+  # (gate_up's, down's) grouped-GEMM routing tables (`grouped.planner.prepare`), built once for both where the two
+  # plans take the same one; () when dispatched without a plan (each GEMM then builds its own).
+  tables: tuple = ()
 
 
-def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
+def with_tables(d: Dispatch, plan) -> Dispatch:
+  """d with the grouped GEMMs' routing tables: at decode a kernel's prologue is a few small kernels, so the layer
+  builds the table once when both GEMMs take the same one (`grouped.planner.prepared_key`)."""
+  gate_up_table = grouped.planner.prepare(d.group_sizes, plan.gate_up)
+  same = grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down)
+  down_table = gate_up_table if same else grouped.planner.prepare(d.group_sizes, plan.down)
+  return d._replace(tables=(gate_up_table, down_table))
+
+
+def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   """The slots of slot_ids (any shape, int32 expert ids; an id outside [0, E) belongs to no expert here) sorted by
   expert, stable, the slots of no expert last: a counting sort, no sort kernel, in one of two forms.
 
@@ -51,7 +64,8 @@ def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
   and those of its own expert at a lower slot. With few slots (R x R within routing.PAIRWISE_MAX_COMPARES) that
   count is one fused reduction over (R, R); with more, a running count per expert (a cumulative sum over (E + 1, R):
   XLA's GPU cumsum is a scan kernel, a few times faster than the stable argsort it replaced at 4096 tokens), and past
-  COUNTING_MAX_ENTRIES of those a stable argsort. The order is then one scatter of the rows."""
+  COUNTING_MAX_ENTRIES of those a stable argsort. The order is then one scatter of the rows. With the layer's plan,
+  also the GEMMs' routing tables (`with_tables`)."""
   ids = slot_ids.reshape(-1).astype(jnp.int32)
   n = ids.shape[0]
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
@@ -75,7 +89,8 @@ def dispatch(slot_ids: jax.Array, experts: int) -> Dispatch:
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     rank = _inverse(order)
     group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
-  return Dispatch(order, rank, group_sizes, jnp.sum(group_sizes).astype(jnp.int32))
+  d = Dispatch(order, rank, group_sizes, jnp.sum(group_sizes).astype(jnp.int32))
+  return d if plan is None else with_tables(d, plan)
 
 
 def _inverse(permutation: jax.Array) -> jax.Array:
@@ -91,18 +106,19 @@ def quantize(x: jax.Array, plan) -> tuple[jax.Array, jax.Array]:
   return x_q[0], x_s[0]
 
 
-def permute(x_q: jax.Array, x_s: jax.Array, row_source: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
-  """The codes and scales of expert-order row r: those of row row_source[order[r]] of (x_q, x_s). Rows from `live`
-  on are unspecified (the Mosaic row gather does not write them; XLA's gathers row 0 there)."""
-  source = jnp.where(jnp.arange(d.order.shape[0]) < d.live, row_source[d.order], 0)
-  a_q = permute_rows.gather(x_q, source, d.live, plan.permute)
+def permute(x_q: jax.Array, x_s: jax.Array, slots_per_row: int, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
+  """The codes and scales of expert-order row r: those of row order[r] // slots_per_row of (x_q, x_s) (the token of
+  a slot: slots_per_row = top_k; 1 where the slots are the rows). Rows from `live` on are unspecified (the Mosaic row
+  gather does not write them; XLA's gathers the row of a slot of no expert there)."""
+  a_q = permute_rows.gather(x_q, d.order, d.live, plan.permute, slots_per_row)
+  source = d.order // slots_per_row  # every slot's row exists, so the rows past `live` need no clamp
   a_s = x_s[:, source] if plan.column_major else x_s[source]
   return a_q, a_s
 
 
 def gate_up(a_q, a_s, d: Dispatch, w13_q, w13_s, plan) -> jax.Array:
   """h (R, 2I) in x's dtype: each live row against its expert's [gate | up] weight; rows past `live` unwritten."""
-  return grouped.planner.run(a_q, w13_q, a_s, w13_s, d.group_sizes, plan=plan.gate_up)
+  return _grouped(a_q, w13_q, a_s, w13_s, d, 0, plan.gate_up)
 
 
 def silu_quant(h: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
@@ -113,7 +129,14 @@ def silu_quant(h: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
 
 def down(h_q, h_s, d: Dispatch, w2_q, w2_s, plan) -> jax.Array:
   """y (R, H) float32: each live row against its expert's down weight; rows past `live` unwritten."""
-  return grouped.planner.run(h_q, w2_q, h_s, w2_s, d.group_sizes, plan=plan.down)
+  return _grouped(h_q, w2_q, h_s, w2_s, d, 1, plan.down)
+
+
+def _grouped(a_q, w_q, a_s, w_s, d: Dispatch, which: int, gemm_plan) -> jax.Array:
+  """One of the grouped GEMMs on d's routing: its table from d where dispatch built it, else the group sizes."""
+  if d.tables:
+    return grouped.planner.run(a_q, w_q, a_s, w_s, d.tables[which], plan=gemm_plan, prepared=True)
+  return grouped.planner.run(a_q, w_q, a_s, w_s, d.group_sizes, plan=gemm_plan)
 
 
 def combine(y: jax.Array, d: Dispatch, topk_weights: jax.Array, valid: jax.Array, out_dtype, plan) -> jax.Array:
@@ -132,9 +155,9 @@ def _apart(*values):
   return out if len(out) > 1 else out[0]
 
 
-def experts_on_rows(x_q, x_s, row_source, d: Dispatch, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Array:
+def experts_on_rows(x_q, x_s, slots_per_row: int, d: Dispatch, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Array:
   """permute, gate_up, silu_quant, down: y (R, H) float32 in expert order, its rows past `live` unspecified."""
-  a_q, a_s = _apart(*permute(x_q, x_s, row_source, d, plan))
+  a_q, a_s = _apart(*permute(x_q, x_s, slots_per_row, d, plan))
   h = _apart(gate_up(a_q, a_s, d, w13_q, w13_s, plan))
   h_q, h_s = _apart(*silu_quant(h, d, plan))
   return _apart(down(h_q, h_s, d, w2_q, w2_s, plan))
@@ -143,8 +166,8 @@ def experts_on_rows(x_q, x_s, row_source, d: Dispatch, w13_q, w13_s, w2_q, w2_s,
 def forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Array:
   """docs/CONTRACT.md §8 on validated (T, H) arrays, every step above in turn. Traceable; checks nothing."""
   t, k = topk_ids.shape
-  d = dispatch(topk_ids, plan.experts)
+  d = dispatch(topk_ids, plan.experts, plan)
   x_q, x_s = _apart(*quantize(x, plan))
-  y = experts_on_rows(x_q, x_s, jnp.arange(t * k, dtype=jnp.int32) // k, d, w13_q, w13_s, w2_q, w2_s, plan)
+  y = experts_on_rows(x_q, x_s, k, d, w13_q, w13_s, w2_q, w2_s, plan)
   valid = (topk_ids >= 0) & (topk_ids < plan.experts)
   return combine(y, d, topk_weights, valid, x.dtype, plan)

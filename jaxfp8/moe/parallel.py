@@ -55,9 +55,8 @@ def _per_device(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, *, plan: pl
   recv_scales = exchange(send_scales).reshape(devices * capacity, -1)
   expert = exchange(send_expert).reshape(-1)
 
-  d = layer.dispatch(expert, local_experts)
-  rows = jnp.arange(devices * capacity, dtype=jnp.int32)
-  y = layer.experts_on_rows(codes, recv_scales.T if plan.column_major else recv_scales, rows, d, w13_q, w13_s, w2_q,
+  d = layer.dispatch(expert, local_experts, plan)
+  y = layer.experts_on_rows(codes, recv_scales.T if plan.column_major else recv_scales, 1, d, w13_q, w13_s, w2_q,
                             w2_s, plan)
   y = y[d.rank].reshape(devices, capacity, -1)  # back in buffer order; rows of no expert are never read
   back = exchange(y)  # back[d, p]: the result of the row this device put at slot p of device d's buffer

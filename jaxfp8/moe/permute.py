@@ -38,8 +38,10 @@ def plan(gemm_implementation: str, hidden: int, device: _platform.Device, interp
   return PermutePlan("mosaic", config, interpret, "beside the Mosaic grouped GEMMs: only the live rows are moved")
 
 
-def gather(x_q: jax.Array, source: jax.Array, live: jax.Array, plan: PermutePlan) -> jax.Array:
-  """(R, H): row r < live is x_q[source[r]]; the rows past `live` are unspecified."""
+def gather(x_q: jax.Array, source: jax.Array, live: jax.Array, plan: PermutePlan, divisor: int = 1) -> jax.Array:
+  """(R, H): row r < live is x_q[source[r] // divisor] (the kernel divides: no index kernel before it); the rows past
+  `live` are unspecified. Every source[r] // divisor must be a row of x_q."""
   if plan.implementation == "mosaic":
-    return _kernel().gather_rows(x_q, source, live, config=plan.config, interpret=plan.interpret)
-  return x_q[source]
+    return _kernel().gather_rows(x_q, source, live, config=plan.config, src_divisor=divisor,
+                                 interpret=plan.interpret)
+  return x_q[source // divisor]

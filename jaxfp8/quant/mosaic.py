@@ -49,6 +49,10 @@ def default_config_for(problem, device: _platform.Device):
   return config, f"{block_rows}-row blocks of {groups_per_block} groups (about two CTAs per SM or more)"
 
 
+# The kernel clips each expert's valid row count to [0, rows] itself.
+CLIPS_VALID_ROWS = True
+
+
 def launch(x3, valid_rows, problem, config, interpret: bool):
   return _kernel().per_token_group_quant(
       x3, valid_rows, group_size=problem.group_size, eps=problem.eps, out_rows=problem.out_rows,

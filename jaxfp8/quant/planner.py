@@ -154,13 +154,16 @@ def plan(p: QuantProblem, *, implementation: str | None = None, config=None, int
 def run(x3: jax.Array, masked_m: jax.Array | None, *, plan: QuantPlan) -> tuple[jax.Array, jax.Array]:
   """Executes `plan` on x3 (batch, rows, k_in): q (batch, out_rows, k) and the scales in the plan's layout."""
   p = plan.problem
+  backend = BACKENDS[plan.implementation]
   if masked_m is None:
     valid_rows = jnp.full((p.batch,), p.rows, jnp.int32)
+  elif getattr(backend, "CLIPS_VALID_ROWS", False):
+    valid_rows = masked_m  # at decode a separate clip would be a kernel of its own
   else:
     valid_rows = jnp.clip(masked_m, 0, p.rows)
   if p.empty:
     return _empty_outputs(p)
-  return BACKENDS[plan.implementation].launch(x3, valid_rows, p, plan.config, plan.interpret)
+  return backend.launch(x3, valid_rows, p, plan.config, plan.interpret)
 
 
 def _empty_outputs(p: QuantProblem) -> tuple[jax.Array, jax.Array]:

@@ -85,17 +85,14 @@ def layer_steps(plan: moe_planner.MoePlan, route: Callable) -> tuple[Step, ...]:
   """The FP8 layer's steps in order: route, then jaxfp8/moe/layer.py's named steps (`layer.STEPS`), each jitted on
   `plan`. The values start as x, gate_weight, bias and the expert weights (w13_q, w13_s, w2_q, w2_s); "out" is the
   layer's output."""
-  def slot_tokens(d):
-    return jnp.arange(d.order.shape[0], dtype=jnp.int32) // plan.top_k
-
   def combine(y, d, ids, weights):
     return moe_layer.combine(y, d, weights, (ids >= 0) & (ids < plan.experts), jnp.bfloat16, plan)
 
   steps = (
       Step("route", jax.jit(route), ("x", "gate_weight", "bias"), ("ids", "weights")),
-      Step("dispatch", jax.jit(lambda ids: moe_layer.dispatch(ids, plan.experts)), ("ids",), ("d",)),
+      Step("dispatch", jax.jit(lambda ids: moe_layer.dispatch(ids, plan.experts, plan)), ("ids",), ("d",)),
       Step("quantize", jax.jit(lambda x: moe_layer.quantize(x, plan)), ("x",), ("x_q", "x_s")),
-      Step("permute", jax.jit(lambda x_q, x_s, d: moe_layer.permute(x_q, x_s, slot_tokens(d), d, plan)),
+      Step("permute", jax.jit(lambda x_q, x_s, d: moe_layer.permute(x_q, x_s, plan.top_k, d, plan)),
            ("x_q", "x_s", "d"), ("a_q", "a_s")),
       Step("gate_up", jax.jit(lambda a_q, a_s, d, w, s: moe_layer.gate_up(a_q, a_s, d, w, s, plan)),
            ("a_q", "a_s", "d", "w13_q", "w13_s"), ("h",), gemm=True),
