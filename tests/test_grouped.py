@@ -360,6 +360,25 @@ def test_work_items_cover_every_row_once(rng, tile_m, zero_unowned_rows):
                  tile_m)
 
 
+@pytest.mark.parametrize("tile_m", [64, 4])
+def test_items_from_sorted_rows_are_the_ragged_items(rng, tile_m):
+  """`ragged_items_from_rows` (the MoE dispatch's table, from each row's group and sorted position) lists the work
+  items `ragged_items` lists from the group sizes, in the same order; its padding items are empty."""
+  for _ in range(40):
+    n, e = int(rng.integers(1, 80)), int(rng.integers(1, 20))
+    ids = rng.integers(-2, e + 2, n)
+    key = np.where((ids >= 0) & (ids < e), ids, e).astype(np.int32)
+    rows = np.empty(n, np.int32)
+    rows[np.argsort(key, kind="stable")] = np.arange(n)
+    within = np.array([np.sum(key[:i] == key[i]) for i in range(n)], np.int32)
+    sizes = np.bincount(key, minlength=e + 1)[:e].astype(np.int32)
+    want = np.asarray(ggm.ragged_items(jnp.asarray(sizes), n, tile_m, zero_unowned_rows=False))
+    got = np.asarray(ggm.ragged_items_from_rows(jnp.asarray(key), jnp.asarray(rows), jnp.asarray(within), e, tile_m))
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got[:, got[4] > got[3]], want[:, want[4] > want[3]])
+    assert (got[:, got[4] <= got[3]] == 0).all()
+
+
 def test_ragged_item_bound_is_reached():
   """One row per group in one row tile, the zero row after them: every item the bound allows is needed."""
   for m, e, tile_m in ((8, 128, 64), (64, 128, 64), (50, 300, 64), (100, 300, 128)):

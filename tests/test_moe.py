@@ -377,8 +377,9 @@ def test_dispatch_builds_one_work_item_table_for_both_gemms(monkeypatch, tokens,
                        jax.ShapeDtypeStruct((e, h, i), F8), top_k)
   assert grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down), str(plan)
   built = []
-  prepare = grouped.planner.prepare
-  monkeypatch.setattr(grouped.planner, "prepare", lambda *a, **kw: built.append(1) or prepare(*a, **kw))
+  for name in ("prepare", "prepare_from_rows"):  # from the group sizes, or from the sorted slots (pairwise dispatch)
+    original = getattr(grouped.planner, name)
+    monkeypatch.setattr(grouped.planner, name, lambda *a, f=original, **kw: built.append(f) or f(*a, **kw))
   d = jax.eval_shape(lambda ids: moe_layer.dispatch(ids, e, plan), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32))
   assert len(built) == 1 and d.tables[0].shape == d.tables[1].shape and d.tables[0].dtype == jnp.int32
 

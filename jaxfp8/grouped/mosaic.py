@@ -168,6 +168,14 @@ def prepare(counts, problem, config):
   return K.masked_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
 
 
+def prepare_from_rows(groups, rows, within, group_sizes, problem, config):
+  """`prepare` from the sorted rows themselves (`ragged_items_from_rows`), where it builds the same table: the ragged
+  layout leaving the rows no group owns unwritten."""
+  if problem.layout == "ragged" and not problem.zero_unowned_rows:
+    return _kernel().ragged_items_from_rows(groups, rows, within, problem.groups, config.tile_m)
+  return prepare(group_sizes, problem, config)
+
+
 def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device: _platform.Device,
            prepared: bool = False):
   """prepared: counts is `prepare`'s table for this problem and config, not the group sizes or masked_m."""

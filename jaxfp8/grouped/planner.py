@@ -120,6 +120,18 @@ def prepare(counts: jax.Array, plan: GroupedPlan) -> jax.Array:
   return counts if p.empty else BACKENDS[plan.implementation].prepare(counts, p, plan.config)
 
 
+def prepare_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array, group_sizes: jax.Array,
+                      plan: GroupedPlan) -> jax.Array:
+  """`prepare(group_sizes, plan)` for a ragged call whose caller sorted the rows: groups (R,) each routed row's group
+  (outside [0, E): none), rows (R,) its position in group order, within (R,) its index among its group's rows. The
+  Mosaic kernel's table then takes two fused reductions over the rows instead of its per-group prologue (fewer
+  kernels at decode, where the rows are few)."""
+  p = plan.problem
+  if p.empty:
+    return group_sizes
+  return BACKENDS[plan.implementation].prepare_from_rows(groups, rows, within, group_sizes, p, plan.config)
+
+
 def prepared_key(plan: GroupedPlan):
   """Plans with equal keys take the same `prepare` table."""
   p = plan.problem

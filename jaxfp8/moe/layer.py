@@ -47,13 +47,19 @@ class Dispatch(NamedTuple):
   tables: tuple = ()
 
 
-def with_tables(d: Dispatch, plan) -> Dispatch:
+def with_tables(d: Dispatch, plan, slot_keys=None, within=None) -> Dispatch:
   """d with the grouped GEMMs' routing tables: at decode a kernel's prologue is a few small kernels, so the layer
-  builds the table once when both GEMMs take the same one (`grouped.planner.prepared_key`)."""
-  gate_up_table = grouped.planner.prepare(d.group_sizes, plan.gate_up)
+  builds the table once when both GEMMs take the same one (`grouped.planner.prepared_key`), and with the slots'
+  keys and their index inside their expert's rows (the pairwise dispatch has both) from the slots themselves
+  (`grouped.planner.prepare_from_rows`: fewer kernels than from the group sizes)."""
+  def prepare(gemm_plan):
+    if within is None:
+      return grouped.planner.prepare(d.group_sizes, gemm_plan)
+    return grouped.planner.prepare_from_rows(slot_keys, d.rank, within, d.group_sizes, gemm_plan)
+
+  gate_up_table = prepare(plan.gate_up)
   same = grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down)
-  down_table = gate_up_table if same else grouped.planner.prepare(d.group_sizes, plan.down)
-  return d._replace(tables=(gate_up_table, down_table))
+  return d._replace(tables=(gate_up_table, gate_up_table if same else prepare(plan.down)))
 
 
 def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
@@ -71,8 +77,9 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
   if n * n <= routing.PAIRWISE_MAX_COMPARES:
     earlier = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & earlier)
-    rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+    same_earlier = (key[None, :] == key[:, None]) & earlier
+    rank = jnp.sum((key[None, :] < key[:, None]) | same_earlier, axis=1, dtype=jnp.int32)
+    within = jnp.sum(same_earlier, axis=1, dtype=jnp.int32)  # the same reduction's sibling: one fused kernel
     order = _inverse(rank)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
   elif (experts + 1) * n <= COUNTING_MAX_ENTRIES:
@@ -82,15 +89,18 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     lower = lax.broadcasted_iota(jnp.int32, (experts + 1,) * 2, 1) < lax.broadcasted_iota(jnp.int32,
                                                                                           (experts + 1,) * 2, 0)
     offsets = jnp.sum(jnp.where(lower, sizes[None, :], 0), axis=1)  # the slots of lower experts
-    rank = offsets[key] + running[key, jnp.arange(n)] - 1
+    within = running[key, jnp.arange(n)] - 1
+    rank = offsets[key] + within
     order = _inverse(rank)
+    within = None  # from the group sizes: pairwise tables over this many rows would be too large
     group_sizes = sizes[:experts]
   else:
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     rank = _inverse(order)
+    within = None
     group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
   d = Dispatch(order, rank, group_sizes, jnp.sum(group_sizes).astype(jnp.int32))
-  return d if plan is None else with_tables(d, plan)
+  return d if plan is None else with_tables(d, plan, key, within)
 
 
 def _inverse(permutation: jax.Array) -> jax.Array:
