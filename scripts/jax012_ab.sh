@@ -7,19 +7,19 @@
 # register share. Without the library, Mosaic falls back to the ptxas executable, as 0.11.2 always did.
 #   scripts/jax012_ab.sh TARBALL   (the 0.12 wheels unpacked under jax012/, tar.xz; WORKSPACE.md: how they travel)
 #   BENCH=1 scripts/jax012_ab.sh TARBALL: instead, `python -m jaxfp8 bench --ops=gemm,quant` under each version;
-#   GROUPED=1: the grouped GEMM's prefill (the planner's schedule, one and two K blocks per step) under each.
+#   GROUPED=1: the grouped GEMM's prefill (the planner's schedule and the 128x128 tile split along M) under each.
 set -u -o pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 tar -C /tmp -xJf "$1" || exit 1
 new=/tmp/jax012:$PWD
-if [[ -n ${GROUPED:-} ]]; then  # the grouped GEMM's prefill: the planner's, one and two K blocks per step (as deep as fits), each version
+if [[ -n ${GROUPED:-} ]]; then  # the grouped GEMM's prefill: the planner's and the 128x128 tile split along M, each version
   two_wgs="mosaic:tile_m=128,tile_n=128,num_compute_wgs=2,grid_minor_dim=M,grid_tile_width=8"
   for v in 0.11.2 0.12; do
     path=$PWD; [[ $v == 0.12 ]] && path=$new
-    PYTHONPATH=$path timeout 200 python3 -m jaxfp8 bench --ops=grouped --implementations=mosaic \
-      --expert_shapes="dsv3_ep8.gate_up;dsv3_ep8.down;qwen3_30b_a3b.gate_up;qwen3_30b_a3b.down" --routed_rows=4096 \
-      --gemm_configs="$two_wgs,k_blocks_per_step=1,max_concurrent_steps=4;$two_wgs,k_blocks_per_step=2,max_concurrent_steps=2" \
+    PYTHONPATH=$path timeout 240 python3 -m jaxfp8 bench --ops=grouped --implementations=mosaic \
+      --expert_shapes="dsv3_ep8.gate_up;dsv3_ep8.down;qwen3_30b_a3b.gate_up;qwen3_30b_a3b.down" \
+      --routed_rows=4096,16384 --gemm_configs="$two_wgs,k_blocks_per_step=1,max_concurrent_steps=4" \
       --out="$out/grouped_ab_$v.json" > "$out/grouped_ab_$v.log" 2>&1
     echo "$v rc $?"; grep -E "^grouped" "$out/grouped_ab_$v.log" | head -20
   done
