@@ -66,7 +66,7 @@ def default_config(problem, num_sms: int):
   block per step: each consumer holds one wgmma accumulator beside the running one, which fits the launch's
   registers where JAX 0.12 drops setmaxnreg (dense.register_split_kept).
 
-  Measured on the H200 (balanced routing; benchmarks/grouped_prefill_h200.md, grouped_medium_h200.md): above 64 rows
+  Measured on the H200 (balanced routing; benchmarks/grouped_schedules_h200.tgz): above 64 rows
   per expert it beat 128x128 tiles split along M at 11 of 12 points (DeepSeek-V3 EP8 gate_up at 4096 / 16384 routed
   rows 385.5 / 998.9 us vs 467.0 / 1054.8; Qwen3-30B-A3B gate_up at 32768 274.1 vs 299.8) and was level at 1024 rows
   per expert (DeepSeek-V3 gate_up 1919.4 vs 1889.1, down 1005.9 vs 1022.9). Against the decode schedule it won from
