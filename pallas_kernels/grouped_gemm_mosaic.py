@@ -289,6 +289,18 @@ def ragged_items_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array
   return jnp.zeros((ITEM_FIELDS, num_items), jnp.int32).at[:, at].set(fields, mode="drop")
 
 
+def ragged_items_from_starts(starts: jax.Array, group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
+  """The work-item table of groups whose rows are [starts[e], starts[e] + group_sizes[e]) of the M = m rows, in
+  group order, not necessarily packed (a caller that places each group's first row at a multiple of tile_m, so that
+  no row tile holds two groups' rows); the rows between them are neither computed nor stored. Non-decreasing starts
+  and runs within M are the caller's."""
+  num_groups = group_sizes.shape[0]
+  lo = starts.astype(jnp.int32)
+  segments = (jnp.zeros((num_groups,), jnp.int32), jnp.arange(num_groups, dtype=jnp.int32), lo,
+              lo + jnp.maximum(group_sizes.astype(jnp.int32), 0))
+  return work_items(segments, tile_m, ragged_num_items(m, num_groups, tile_m))
+
+
 def masked_items(masked_m: jax.Array, rows: int, tile_m: int, zero_unowned_rows: bool = True) -> jax.Array:
   """The work-item table of the masked layout on T = rows rows per group (`work_items`)."""
   return work_items(masked_segments(masked_m, rows, zero_unowned_rows), tile_m,
@@ -325,5 +337,5 @@ def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.b
 
 __all__ = ["BLOCK", "SMEM_BYTES", "WGMMA_M", "Dim", "MosaicGemmConfig", "config_problems", "fit_smem",
            "ragged_block_fp8_matmul", "masked_block_fp8_matmul", "grouped_block_fp8_matmul", "work_items",
-           "ragged_items", "ragged_items_from_rows", "masked_items", "ragged_segments", "masked_segments", "epi_n",
+           "ragged_items", "ragged_items_from_rows", "ragged_items_from_starts", "masked_items", "ragged_segments", "masked_segments", "epi_n",
            "smem_bytes"]

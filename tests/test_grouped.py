@@ -300,6 +300,35 @@ def test_a_prepared_routing_table_gives_the_same_result(rng, implementation, lay
 
 
 @needs_mosaic
+@pytest.mark.parametrize("kind", ["ws2_n_64x256", "ws1_64x128_persistent"])
+def test_rows_at_given_starts(rng, kind):
+  """`prepare_from_starts`: each group's rows from a multiple of the row tile (the MoE layer's prefill buffer), the
+  rows between them poisoned: every group's rows come out as the packed call computes them, the gaps unwritten."""
+  from jaxfp8 import grouped
+  sizes = np.array([70, 0, 1, 60, 0, 10], np.int32)
+  (a_q, b_q, a_s, b_s, _), expect = _ragged_case(rng, sizes, 141, 256, 384, column_major=False)
+  starts = np.concatenate([[0], np.cumsum(-(-sizes // 64) * 64)[:-1]]).astype(np.int32)
+  rows = int(starts[-1] + 64)
+  dest = np.concatenate([starts[e] + np.arange(sizes[e]) for e in range(len(sizes))])
+  a_gap = np.full((rows, a_q.shape[1]), np.nan, np.float32).astype(a_q.dtype)
+  a_gap[dest] = a_q[:dest.size]
+  s_gap = np.full((rows, a_s.shape[1]), np.nan, np.float32)
+  s_gap[dest] = a_s[:dest.size]
+  p = grouped.problem("ragged", len(sizes), rows, 384, 256, (128, 128), out_dtype=jnp.float32,
+                      zero_unowned_rows=False)
+  plan = grouped.plan(p, implementation="mosaic", config=KINDS[kind], interpret=True)
+  table = grouped.planner.prepare_from_starts(jnp.asarray(starts), jnp.asarray(sizes), plan)
+  out = np.asarray(grouped.planner.run(jnp.asarray(a_gap), jnp.asarray(b_q), jnp.asarray(s_gap), jnp.asarray(b_s),
+                                       table, plan=plan, prepared=True))
+  _check(out[dest], expect[:dest.size], jnp.float32)
+  gaps = np.setdiff1d(np.arange(rows), dest)
+  assert np.isnan(out[gaps]).all(), "a row between the groups was written"
+  xla_plan = grouped.plan(p, implementation="xla")
+  with pytest.raises(ValueError, match="Mosaic ragged"):
+    grouped.planner.prepare_from_starts(jnp.asarray(starts), jnp.asarray(sizes), xla_plan)
+
+
+@needs_mosaic
 @pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_m_128x128_k2"])
 def test_mosaic_masked_interpreted(rng, kind):
   # T = 70 rows per expert (partial row tiles, T % 8 != 0), one expert empty, one full, counts past T clipped.

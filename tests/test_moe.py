@@ -377,11 +377,62 @@ def test_dispatch_builds_one_work_item_table_for_both_gemms(monkeypatch, tokens,
                        jax.ShapeDtypeStruct((e, h, i), F8), top_k)
   assert grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down), str(plan)
   built = []
-  for name in ("prepare", "prepare_from_rows"):  # from the group sizes, or from the sorted slots (pairwise dispatch)
+  # from the group sizes, from the sorted slots (pairwise dispatch) or from aligned starts (the prefill schedule)
+  for name in ("prepare", "prepare_from_rows", "prepare_from_starts"):
     original = getattr(grouped.planner, name)
     monkeypatch.setattr(grouped.planner, name, lambda *a, f=original, **kw: built.append(f) or f(*a, **kw))
   d = jax.eval_shape(lambda ids: moe_layer.dispatch(ids, e, plan), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32))
   assert len(built) == 1 and d.tables[0].shape == d.tables[1].shape and d.tables[0].dtype == jnp.int32
+
+
+@needs_mosaic
+def test_layer_with_aligned_expert_rows_matches_reference(rng):
+  """160 tokens x top-4 over 8 experts: the persistent schedule with each expert's rows from a 64-row boundary
+  (the plan's row_align), the Mosaic kernels interpreted, against the reference; equal to the packed XLA layer up to
+  the GEMMs' summation order."""
+  experts = _experts(rng)
+  x = jnp.asarray(rng.standard_normal((160, 256)), jnp.bfloat16)
+  ids, weights = _routing(rng, 160, 8, 4, empty=[5])
+  args = (x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts))
+  plan = moe.explain(x, args[3], args[5], 4, implementation="mosaic", interpret=True)
+  assert plan.row_align == 64, str(plan)
+  out = np.asarray(moe.fp8_moe(*args, implementation="mosaic", interpret=True), np.float32)
+  assert np.isfinite(out).all()
+  assert ref.relative_error(out, _expected(x, ids, weights, experts)) <= TOL
+
+
+@needs_mosaic
+def test_prefill_dispatch_starts_each_expert_at_a_row_tile():
+  """Under the persistent (prefill) schedule each expert's rows start at a multiple of its 64-row work items, in the
+  packed order's sequence; the slots of no expert come after the last expert's block; decode keeps packed rows."""
+  e, h, i, t, k = 8, 256, 128, 160, 4
+  with _platform.abstract_h200():
+    prefill = moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
+                          jax.ShapeDtypeStruct((e, h, i), F8), k)
+    decode = moe.explain(jax.ShapeDtypeStruct((1, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
+                         jax.ShapeDtypeStruct((e, h, i), F8), k)
+  assert prefill.row_align == 64 and "multiple of 64" in str(prefill), str(prefill)
+  assert prefill.rows == t * k + e * 63
+  assert decode.row_align == 1 and "packed" in str(decode), str(decode)
+  rng = np.random.default_rng(7)
+  ids = rng.integers(-1, e + 1, (t, k)).astype(np.int32)
+  ids[:, 0] = 3  # one expert with more than a tile of rows
+  packed = moe_layer.dispatch(jnp.asarray(ids), e)
+  d = moe_layer.dispatch(jnp.asarray(ids), e, prefill)
+  rank, packed_rank = np.asarray(d.rank), np.asarray(packed.rank)
+  key = np.where((ids >= 0) & (ids < e), ids, e).reshape(-1)
+  sizes = np.bincount(key, minlength=e + 1)[:e]
+  np.testing.assert_array_equal(np.asarray(d.group_sizes), sizes)
+  assert len(set(rank.tolist())) == rank.size and rank.max() < prefill.rows
+  start = 0
+  for x in range(e):
+    mine = np.flatnonzero(key == x)
+    if mine.size:
+      np.testing.assert_array_equal(np.sort(rank[mine]), start + np.arange(mine.size))
+      np.testing.assert_array_equal(np.argsort(rank[mine]), np.argsort(packed_rank[mine]))  # the same order
+    start += -(-mine.size // 64) * 64
+  assert int(d.live) == start and (rank[key == e] >= start).all()
+  np.testing.assert_array_equal(np.asarray(d.order)[rank], np.arange(t * k))
 
 
 def test_dispatch_is_stable_and_puts_outside_ids_last():

@@ -176,6 +176,11 @@ def prepare_from_rows(groups, rows, within, group_sizes, problem, config):
   return prepare(group_sizes, problem, config)
 
 
+def prepare_from_starts(starts, group_sizes, problem, config):
+  """The table of a ragged call whose groups' rows start at `starts` (not packed: `ragged_items_from_starts`)."""
+  return _kernel().ragged_items_from_starts(starts, group_sizes, problem.rows, config.tile_m)
+
+
 def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device: _platform.Device,
            prepared: bool = False):
   """prepared: counts is `prepare`'s table for this problem and config, not the group sizes or masked_m."""

@@ -132,6 +132,17 @@ def prepare_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array, gro
   return BACKENDS[plan.implementation].prepare_from_rows(groups, rows, within, group_sizes, p, plan.config)
 
 
+def prepare_from_starts(starts: jax.Array, group_sizes: jax.Array, plan: GroupedPlan) -> jax.Array:
+  """The routing table of a ragged call whose groups' rows are [starts[e], starts[e] + group_sizes[e]), in group
+  order but not packed (the rows between them belong to no group: neither computed nor stored). The Mosaic kernel's
+  only: the XLA grouped GEMM takes packed rows (its table is the group sizes)."""
+  p = plan.problem
+  if plan.implementation != "mosaic" or p.layout != "ragged":
+    raise ValueError(f"rows placed at given starts need the Mosaic ragged grouped GEMM, not {plan.implementation} "
+                     f"{p.layout}")
+  return group_sizes if p.empty else mosaic.prepare_from_starts(starts, group_sizes, p, plan.config)
+
+
 def prepared_key(plan: GroupedPlan):
   """Plans with equal keys take the same `prepare` table."""
   p = plan.problem

@@ -99,8 +99,38 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     rank = _inverse(order)
     within = None
     group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
+  if plan is not None and plan.row_align > 1:
+    return _aligned(key, rank, group_sizes, plan)
   d = Dispatch(order, rank, group_sizes, jnp.sum(group_sizes).astype(jnp.int32))
   return d if plan is None else with_tables(d, plan, key, within)
+
+
+def _exclusive_sum(x: jax.Array) -> jax.Array:
+  """The exclusive cumulative sum of a short int32 vector, as one fused masked sum (no scan kernel)."""
+  n = x.shape[0]
+  below = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  return jnp.sum(jnp.where(below, x[None, :], 0), axis=1, dtype=jnp.int32)
+
+
+def _aligned(key: jax.Array, packed_rank: jax.Array, group_sizes: jax.Array, plan) -> Dispatch:
+  """The dispatch of `plan.row_align` > 1: each expert's rows from a multiple of the alignment in a buffer of
+  plan.rows rows (the packed order's rows of each expert, shifted to its aligned start). `live` is the end of the
+  last expert's aligned block: the gather and the SiLU-and-mul quantizer also fill the gaps between experts (a copy
+  of some token's row, read by nothing), which the grouped GEMMs neither compute nor store."""
+  align = plan.row_align
+  experts = group_sizes.shape[0]
+  packed_starts = _exclusive_sum(group_sizes)
+  starts = _exclusive_sum((group_sizes + (align - 1)) // align * align)
+  live = starts[-1] + (group_sizes[-1] + (align - 1)) // align * align
+  within_key = jnp.minimum(key, experts - 1)  # slots of no expert: placed past `live` below
+  rank = jnp.where(key < experts, starts[within_key] + packed_rank - packed_starts[within_key],
+                   live + packed_rank - jnp.sum(group_sizes))
+  order = jnp.zeros((plan.rows,), jnp.int32).at[rank].set(jnp.arange(key.shape[0], dtype=jnp.int32),
+                                                         unique_indices=True)
+  table = grouped.planner.prepare_from_starts(starts, group_sizes, plan.gate_up)
+  same = grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down)
+  tables = (table, table if same else grouped.planner.prepare_from_starts(starts, group_sizes, plan.down))
+  return Dispatch(order, rank, group_sizes, live, tables)
 
 
 def _inverse(permutation: jax.Array) -> jax.Array:

@@ -18,6 +18,12 @@ from jaxfp8.moe import combine, permute
 LIVE_ROWS_REASON = ("the slots of no local expert sort past the live rows, which the GEMMs neither compute nor store "
                     "and the SiLU-and-mul quantizer neither reads nor (past the last live block) writes; the "
                     "combine gathers each token's rows back")
+PACKED_ROWS_REASON = ("packed, each expert's rows right after the previous one's (under one 64-row tile per expert a "
+                      "tile holds several experts' few rows, which aligned starts would not save; the decode "
+                      "schedule and the XLA GEMMs take packed rows)")
+ALIGNED_ROWS_REASON = ("each expert's first row at a multiple of {align} in a buffer of {rows} rows (the persistent "
+                       "schedule's {align}-row work items then never hold two experts' rows, so no row tile is "
+                       "computed twice; from {align} routed rows per expert)")
 LAYOUT_REASON = ("ragged: the rows sorted by expert, one grouped GEMM per projection (the masked layout has not been "
                  "measured faster on a GPU yet)")
 
@@ -55,6 +61,9 @@ class MoePlan:
   combine: combine.CombinePlan
   layout: str = "ragged"
   layout_reason: str = LAYOUT_REASON
+  # Each expert's first row sits at a multiple of row_align in the GEMMs' buffer (1: the rows are packed).
+  row_align: int = 1
+  row_align_reason: str = ""
 
   @property
   def rows(self) -> int:
@@ -72,12 +81,22 @@ class MoePlan:
         f"H={self.hidden}, I={self.intermediate}, block_size={self.block_size}, x {self.x_dtype}",
         f"  layout: {self.layout_reason}",
         f"  rows: {LIVE_ROWS_REASON}",
+        f"  expert rows: {self.row_align_reason}",
         f"  tokens quantized: {self.quant_x}",
         f"  permute: {self.permute}",
         f"  gate_up: {self.gate_up}",
         f"  SiLU-and-mul quantized: {self.quant_h}",
         f"  down: {self.down}",
         f"  combine: {self.combine}"])
+
+
+def _persistent_tile_rows(*gemm_plans) -> int:
+  """The row tile the Mosaic GEMM plans share where each runs the persistent (prefill) schedule; 1 otherwise."""
+  configs = [p.config for p in gemm_plans]
+  if any(p.implementation != "mosaic" for p in gemm_plans) or not all(c.persistent for c in configs):
+    return 1
+  tiles = {c.tile_m for c in configs}
+  return tiles.pop() if len(tiles) == 1 else 1
 
 
 def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, block_size: tuple[int, int], x_dtype,
@@ -91,7 +110,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   rows = tokens * top_k if routed_rows is None else routed_rows
   gk = block_size[1]
 
-  def gemm_plan(n, k, out_dtype, column_major, implementation, reason=None):
+  def gemm_plan(n, k, out_dtype, column_major, implementation, reason=None, rows=rows):
     p = grouped.problem("ragged", experts, rows, n, k, block_size, out_dtype=out_dtype,
                         a_s_column_major=column_major, zero_unowned_rows=False)
     return grouped.plan(p, implementation=implementation, interpret=interpret, device=device, reason=reason)
@@ -102,6 +121,20 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   column_major = implementation != "xla"  # the kernels read column-major scales; XLA needs no transpose
   gate_up = gemm_plan(2 * intermediate, hidden, x_dtype, column_major, implementation)
   down = gemm_plan(hidden, intermediate, jnp.float32, column_major, implementation)
+  row_align, row_align_reason = 1, PACKED_ROWS_REASON
+  align = _persistent_tile_rows(gate_up, down)
+  # With fewer rows per expert than a tile, packed tiles hold several experts (each computes the tile once, as
+  # aligned ones would) and alignment would only add rows.
+  if align > 1 and rows >= align * experts:
+    # The buffer holds every expert's rows from a multiple of `align`: up to align - 1 more rows per expert that
+    # holds rows (at most min(E, R) of them). The schedules are planned on that buffer.
+    buffer_rows = rows + min(experts, rows) * (align - 1)
+    aligned = (gemm_plan(2 * intermediate, hidden, x_dtype, column_major, implementation, rows=buffer_rows),
+               gemm_plan(hidden, intermediate, jnp.float32, column_major, implementation, rows=buffer_rows))
+    if _persistent_tile_rows(*aligned) == align:
+      gate_up, down = aligned
+      row_align, row_align_reason = align, ALIGNED_ROWS_REASON.format(align=align, rows=buffer_rows)
+      rows = buffer_rows
   quant_implementation, quant_reason = quant.planner.for_gemm(implementation, device, interpret,
                                                               options.quant_implementation, "grouped GEMM")
   layout = dict(scale_layout="col" if column_major else "row", scale_tma_aligned=column_major)
@@ -118,4 +151,5 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name, quant_x, gate_up,
                  quant_h, down,
                  permute.plan(implementation, hidden, device, interpret),
-                 combine.plan(options.combine_implementation, tokens, top_k, hidden, x_dtype, device, interpret))
+                 combine.plan(options.combine_implementation, tokens, top_k, hidden, x_dtype, device, interpret),
+                 row_align=row_align, row_align_reason=row_align_reason)
