@@ -18,10 +18,11 @@ Rows, per layer and token count T (--tokens):
   "ragged_dot_bf16", "pallas_ragged_bf16" (baselines)   route + the same layer on bf16 weights (dequantized once,
         outside the timing): sort, gather, gate_up, SiLU-and-mul, down, combine, on `jax.lax.ragged_dot` or, on a
         Hopper GPU, JAX's Pallas Mosaic GPU ragged dot (its fastest of PALLAS_CONFIGS)
-Checks before timing, on sampled tokens: the layer's output and the steps' final output against
-`jaxfp8.reference.fp8_moe` (§8's bound); each bf16 layer against the float64 layer on the same dequantized weights
-(the same bound). Every row carries weight_stream_us, the time to read the weights of the experts that received
-rows at 4.3 TB/s (the decode floor; x_weight_stream = time / that on the layer-level rows).
+Checks before timing, on four sampled tokens (among those with a local expert, where four have one): the layer's
+output and the steps' final output against `jaxfp8.reference.fp8_moe` (§8's bound); each bf16 layer against the
+float64 layer on the same dequantized weights (the same bound). Every row carries weight_stream_us, the time to read
+the weights of the experts that received rows at 4.3 TB/s (the decode floor; x_weight_stream = time / that on the
+layer-level rows).
 """
 
 from __future__ import annotations
@@ -261,7 +262,11 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     base = dict(shape=name, m=t, n=layer.intermediate, k=layer.hidden, tokens=t, groups=layer.experts,
                 top_k=layer.top_k, family=layer.family, **{k: v for k, v in counts.items() if k not in (
                     "flops", "bytes", "bf16_bytes", "gate_up", "down")})
-    pick = rng.choice(t, min(4, t), replace=False)
+    # The checked tokens: among those with a local expert where there are enough (under expert parallelism a third
+    # of the tokens have none, and four of those check nothing but zeros).
+    ids = np.asarray(values["ids"])
+    local = np.flatnonzero(((ids >= 0) & (ids < layer.experts)).any(axis=-1))
+    pick = rng.choice(local if local.size >= min(4, t) else t, min(4, t), replace=False)
     plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16)
 
     def record(contender, role, **fields):
