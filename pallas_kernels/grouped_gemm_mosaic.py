@@ -337,5 +337,5 @@ def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.b
 
 __all__ = ["BLOCK", "SMEM_BYTES", "WGMMA_M", "Dim", "MosaicGemmConfig", "config_problems", "fit_smem",
            "ragged_block_fp8_matmul", "masked_block_fp8_matmul", "grouped_block_fp8_matmul", "work_items",
-           "ragged_items", "ragged_items_from_rows", "ragged_items_from_starts", "masked_items", "ragged_segments", "masked_segments", "epi_n",
-           "smem_bytes"]
+           "ragged_items", "ragged_items_from_rows", "ragged_items_from_starts", "masked_items", "ragged_segments",
+           "masked_segments", "epi_n", "smem_bytes"]
