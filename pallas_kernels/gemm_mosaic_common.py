@@ -419,7 +419,9 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
       # rows = (lo, hi): the tile's output rows that hold work. A consumer whose part misses them (the other expert's
       # half of a tile two experts share, the dead half past a live-row count) still paces the pipeline with the
       # others but runs no wgmma and stores nothing.
-      busy = None if rows is None else (rows[0] < row0 + wg_m) & (rows[1] > row0)
+      # Only consumers split along M can miss a tile's rows (one holding the whole tile never does): no cond else.
+      split_m = cfg.num_compute_wgs > 1 and cfg.wg_split == Dim.M
+      busy = (rows[0] < row0 + wg_m) & (rows[1] > row0) if rows is not None and split_m else None
 
       def compute_context(run_pipeline):
         accs, _ = run_pipeline(initial_carry(b_s, col0, cfg, num_k_blocks, num_n_blocks))

@@ -143,9 +143,11 @@ def work_items(segments: tuple[jax.Array, ...], tile_m: int, num_items: int) -> 
 
 
 def ragged_num_items(m: int, num_groups: int, tile_m: int) -> int:
-  """The most work items a ragged problem can have. The segments partition the M rows, so their row tiles number at
-  most the tiles of M plus one per boundary between two non-empty segments, and there are at most min(E + 1, M)
-  non-empty segments (each holds a row; E groups and the zero rows): few items at decode, however many experts."""
+  """The most work items a ragged problem can have. The segments are disjoint runs of the M rows in order (a
+  partition of them, or with `ragged_items_from_starts` runs with gaps between), so their (segment, row tile) pairs
+  number at most the tiles of M plus one per boundary between two non-empty segments inside a tile, and there are at
+  most min(E + 1, M) non-empty segments (each holds a row; E groups and the zero rows): few items at decode, however
+  many experts."""
   return max(pl.cdiv(m, tile_m) + min(num_groups, m - 1), 1)
 
 

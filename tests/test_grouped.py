@@ -488,6 +488,21 @@ def test_plans_say_why():
 
 
 @pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="needs jax.experimental.pallas.mosaic_gpu")
+@pytest.mark.parametrize("groups,rows,n", [(0, 64, 256), (4, 64, 0), (4, 0, 256), (0, 0, 0)])
+def test_empty_problems_plan_on_a_hopper(groups, rows, n):
+  """No expert, no row or no column: the Mosaic plan exists (the call returns zeros without a launch), and an MoE
+  layer without experts keeps packed rows."""
+  from jaxfp8 import moe
+  with _platform.abstract_h200():
+    for layout in ("ragged", "masked"):
+      plan = grouped.plan(grouped.problem(layout, groups, rows, n, 256, (128, 128)), implementation="mosaic")
+      assert plan.implementation == "mosaic" and plan.problem.empty
+    layer = moe.explain(jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16), jax.ShapeDtypeStruct((groups, 256, 256), F8),
+                        jax.ShapeDtypeStruct((groups, 256, 128), F8), 2)
+  assert layer.row_align == 1 or groups > 0, str(layer)
+
+
+@pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="needs jax.experimental.pallas.mosaic_gpu")
 def test_prefill_schedule_is_the_same_whether_the_register_split_is_kept(monkeypatch):
   """The grouped prefill schedule takes one K block per step (one wgmma accumulator beside the running one), which
   fits the launch's registers where JAX 0.12 drops setmaxnreg: the plan does not depend on it."""

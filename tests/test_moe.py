@@ -361,8 +361,8 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
   assert ops["f8E4M3FN"] <= {"custom_call", "reshape", "broadcast_in_dim", "optimization_barrier"}, ops
   assert not any("stablehlo.gather" in line and "xf8E4M3FN>" in line for line in text.splitlines())
   assert ops["bf16"] <= {"custom_call", "reshape", "broadcast_in_dim", "convert", "optimization_barrier"}, ops
-  rows = tokens * top_k
-  assert f"<{rows}x{2 * i}xf32>" not in text, "gate_up's output widened to float32 outside the kernels"
+  assert f"<{plan.rows}x{2 * i}xbf16>" in text and f"<{plan.rows}x{2 * i}xf32>" not in text, (
+      "gate_up's output widened to float32 outside the kernels")
 
 
 @needs_mosaic

@@ -1,10 +1,13 @@
 """The Mosaic GPU grouped-GEMM backend (Hopper): what it runs, its schedule heuristic, and its launch.
 
-The kernel (pallas_kernels/grouped_gemm_mosaic.py) builds any config it is given; the choice lives here, by the rows
-one expert sees: where they fit in one 64-row tile, the dense GEMM's decode schedule (jaxfp8/gemm/mosaic.py: the
-weights stream once, spread over many CTAs); above that 64x256 tiles on two consumer warpgroups side by side, whose
-64-row work items waste little where an expert's rows end inside a tile (measured on the H200 against the dense
-GEMM's 128x128 prefill tile).
+The kernel (pallas_kernels/grouped_gemm_mosaic.py) builds any config it is given; the choice lives here
+(`default_config`, each rule with the H200 measurement behind it), by the rows one expert sees: with few, the dense
+GEMM's decode schedule (jaxfp8/gemm/mosaic.py: the weights stream once, spread over many CTAs, a CTA per work item
+and column tile); with more (ragged: from 16 rows per expert, or from half a row at K <= 1024, unless its tiles would
+leave most of a last wave idle; masked: above one 64-row tile of capacity) a persistent schedule, 64x256 tiles on
+two consumer warpgroups side by side for the ragged layout (64-row work items waste little where an expert's rows
+end inside a tile), 128x128 tiles split along M for the masked layout and for N of an odd number of 128-column
+blocks.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def persistent_wave_fill(problem, num_sms: int) -> float:
   rpg = rows_per_group(problem)
   live_groups = min(problem.groups, max(problem.rows, 1))
   tiles = live_groups * (rpg / WGMMA_M + 1) * -(-problem.n // (2 * BLOCK))
+  if tiles <= 0:  # an empty problem (no group, no column): nothing runs
+    return 1.0
   waves = tiles / num_sms
   return waves / math.ceil(waves)
 
@@ -102,7 +107,7 @@ def default_config(problem, num_sms: int):
   if not persistent:
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
                                 num_compute_wgs=1, persistent=False, weight_scales_ahead=True)
-  elif problem.n % (2 * BLOCK) == 0:
+  elif problem.n % (2 * BLOCK) == 0 and problem.layout == "ragged":
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=2 * BLOCK, max_concurrent_steps=4, k_blocks_per_step=1,
                                 num_compute_wgs=2, wg_split=K.Dim.N, grid_minor_dim=K.Dim.M, grid_tile_width=8)
   else:

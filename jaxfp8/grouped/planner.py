@@ -137,9 +137,10 @@ def prepare_from_starts(starts: jax.Array, group_sizes: jax.Array, plan: Grouped
   order but not packed (the rows between them belong to no group: neither computed nor stored). The Mosaic kernel's
   only: the XLA grouped GEMM takes packed rows (its table is the group sizes)."""
   p = plan.problem
-  if plan.implementation != "mosaic" or p.layout != "ragged":
-    raise ValueError(f"rows placed at given starts need the Mosaic ragged grouped GEMM, not {plan.implementation} "
-                     f"{p.layout}")
+  if plan.implementation != "mosaic" or p.layout != "ragged" or p.zero_unowned_rows:
+    raise ValueError(f"rows placed at given starts need the Mosaic ragged grouped GEMM leaving the rows no group owns "
+                     f"unwritten (zero_unowned_rows=False), not {plan.implementation} {p.layout} with "
+                     f"zero_unowned_rows={p.zero_unowned_rows}")
   return group_sizes if p.empty else mosaic.prepare_from_starts(starts, group_sizes, p, plan.config)
 
 

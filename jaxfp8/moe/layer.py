@@ -13,8 +13,11 @@ Every step after `dispatch` works on the live rows only: the R = T x k routed ro
 serves every routing), but the slots whose id is outside the experts (another device's expert, or none) sort last,
 past `live`, and no step computes or stores them. The grouped GEMMs leave the rows past `live` unwritten
 (`zero_unowned_rows=False`), the quantizer reads only the live rows (`masked_m`), and the combine selects, never
-multiplies, a slot's result, so whatever those rows hold never reaches the output. The planner decides each step's
-implementation (`MoePlan`); the benchmark times the steps by these names (`STEPS`).
+multiplies, a slot's result, so whatever those rows hold never reaches the output. Under the persistent grouped
+schedule each expert's rows start at a multiple of the plan's row_align (`_aligned`): the gaps between experts are
+rows of no expert too (the gather and the quantizer fill them with a copy of some token's row, the GEMMs neither
+compute nor store them). The planner decides each step's implementation (`MoePlan`); the benchmark times the steps
+by these names (`STEPS`).
 """
 
 from __future__ import annotations
@@ -37,11 +40,14 @@ COUNTING_MAX_ENTRIES = 1 << 26
 
 
 class Dispatch(NamedTuple):
-  """Where each routed slot goes. R slots (token-major, t * k + j), E experts."""
-  order: jax.Array        # (R,) int32: the slot at each expert-order row (by expert, stable; outside ids last)
-  rank: jax.Array         # (R,) int32: the expert-order row of each slot (order's inverse)
+  """Where each routed slot goes. R slots (token-major, t * k + j), E experts; B rows of the GEMMs' buffers (R, or
+  with the plan's row_align > 1 plan.rows: each expert's rows from a multiple of row_align, gaps between them)."""
+  order: jax.Array        # (B,) int32: the slot at each expert-order row (by expert, stable; outside ids last; a gap
+                          # row holds slot 0)
+  rank: jax.Array         # (R,) int32: the expert-order row of each slot (order[rank[s]] == s)
   group_sizes: jax.Array  # (E,) int32: rows of each expert
-  live: jax.Array         # () int32: rows some expert owns (the sum of group_sizes)
+  live: jax.Array         # () int32: the rows before the first slot of no expert (the sum of group_sizes, or with
+                          # aligned rows the end of the last expert's aligned block)
   # (gate_up's, down's) grouped-GEMM routing tables (`grouped.planner.prepare`), built once for both where the two
   # plans take the same one; () when dispatched without a plan (each GEMM then builds its own).
   tables: tuple = ()
@@ -157,7 +163,7 @@ def permute(x_q: jax.Array, x_s: jax.Array, slots_per_row: int, d: Dispatch, pla
 
 
 def gate_up(a_q, a_s, d: Dispatch, w13_q, w13_s, plan) -> jax.Array:
-  """h (R, 2I) in x's dtype: each live row against its expert's [gate | up] weight; rows past `live` unwritten."""
+  """h (B, 2I) in x's dtype: each expert's rows against its [gate | up] weight; rows of no expert unwritten."""
   return _grouped(a_q, w13_q, a_s, w13_s, d, 0, plan.gate_up)
 
 
@@ -168,7 +174,7 @@ def silu_quant(h: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
 
 
 def down(h_q, h_s, d: Dispatch, w2_q, w2_s, plan) -> jax.Array:
-  """y (R, H) float32: each live row against its expert's down weight; rows past `live` unwritten."""
+  """y (B, H) float32: each expert's rows against its down weight; rows of no expert unwritten."""
   return _grouped(h_q, w2_q, h_s, w2_s, d, 1, plan.down)
 
 

@@ -67,7 +67,8 @@ class MoePlan:
 
   @property
   def rows(self) -> int:
-    """Rows of the grouped GEMMs: the routed rows (tokens x top_k), or an expert-parallel exchange buffer's."""
+    """Rows of the grouped GEMMs' buffers: the routed rows (tokens x top_k) or an expert-parallel exchange buffer's,
+    and with row_align > 1 up to row_align - 1 more per expert (each expert's rows start at a multiple of it)."""
     return self.gate_up.problem.rows
 
   @property
@@ -125,7 +126,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   align = _persistent_tile_rows(gate_up, down)
   # With fewer rows per expert than a tile, packed tiles hold several experts (each computes the tile once, as
   # aligned ones would) and alignment would only add rows.
-  if align > 1 and rows >= align * experts:
+  if align > 1 and experts > 0 and rows >= align * experts:
     # The buffer holds every expert's rows from a multiple of `align`: up to align - 1 more rows per expert that
     # holds rows (at most min(E, R) of them). The schedules are planned on that buffer.
     buffer_rows = rows + min(experts, rows) * (align - 1)
