@@ -63,9 +63,14 @@ def with_tables(d: Dispatch, plan, slot_keys=None, within=None) -> Dispatch:
       return grouped.planner.prepare(d.group_sizes, gemm_plan)
     return grouped.planner.prepare_from_rows(slot_keys, d.rank, within, d.group_sizes, gemm_plan)
 
+  return d._replace(tables=_both_tables(plan, prepare))
+
+
+def _both_tables(plan, prepare) -> tuple:
+  """(gate_up's, down's) tables from prepare(gemm_plan): one built for both where the plans take the same one."""
   gate_up_table = prepare(plan.gate_up)
   same = grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down)
-  return d._replace(tables=(gate_up_table, gate_up_table if same else prepare(plan.down)))
+  return gate_up_table, gate_up_table if same else prepare(plan.down)
 
 
 def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
@@ -92,9 +97,7 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     buckets = jnp.arange(experts + 1, dtype=jnp.int32)
     running = jnp.cumsum((key[None, :] == buckets[:, None]).astype(jnp.int32), axis=1)  # (E + 1, R), inclusive
     sizes = running[:, -1]
-    lower = lax.broadcasted_iota(jnp.int32, (experts + 1,) * 2, 1) < lax.broadcasted_iota(jnp.int32,
-                                                                                          (experts + 1,) * 2, 0)
-    offsets = jnp.sum(jnp.where(lower, sizes[None, :], 0), axis=1)  # the slots of lower experts
+    offsets = _exclusive_sum(sizes)  # the slots of lower experts
     within = running[key, jnp.arange(n)] - 1
     rank = offsets[key] + within
     order = _inverse(rank)
@@ -133,9 +136,7 @@ def _aligned(key: jax.Array, packed_rank: jax.Array, group_sizes: jax.Array, pla
                    live + packed_rank - jnp.sum(group_sizes))
   order = jnp.zeros((plan.rows,), jnp.int32).at[rank].set(jnp.arange(key.shape[0], dtype=jnp.int32),
                                                          unique_indices=True)
-  table = grouped.planner.prepare_from_starts(starts, group_sizes, plan.gate_up)
-  same = grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down)
-  tables = (table, table if same else grouped.planner.prepare_from_starts(starts, group_sizes, plan.down))
+  tables = _both_tables(plan, lambda gemm_plan: grouped.planner.prepare_from_starts(starts, group_sizes, gemm_plan))
   return Dispatch(order, rank, group_sizes, live, tables)
 
 
