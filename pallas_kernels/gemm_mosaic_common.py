@@ -294,14 +294,22 @@ def scaled_mma_step(
   return tuple(new_accs), next_b_scales
 
 
-def in_specs(cfg: MosaicGemmConfig, m_idx, n_idx):
-  """A tile, B tile and activation scales of pipeline step k; the operands a CTA cluster shares are multicast."""
+def in_specs(cfg: MosaicGemmConfig, m_idx, n_idx, b_pair=None):
+  """A tile, B tile and activation scales of pipeline step k; the operands a CTA cluster shares are multicast.
+
+  b_pair: None, or the index of a pair of weight halves in a (2 x pairs, N/2, K) view of B (`warp_specialized`'s
+  paired_b): the B tile is then tile_n/2 rows of each half, one consumer warpgroup's each."""
   bk = BLOCK * cfg.k_blocks_per_step
   shared_a = ("cluster",) if cfg.cluster_dim == Dim.N else None
   shared_b = ("cluster",) if cfg.cluster_dim == Dim.M else None
+  if b_pair is None:
+    b_spec = plgpu.BlockSpec((cfg.tile_n, bk), lambda k: (n_idx, k), transforms=FP8_TRANSFORMS,
+                             collective_axes=shared_b)
+  else:
+    b_spec = plgpu.BlockSpec((2, cfg.tile_n // 2, bk), lambda k: (b_pair, n_idx, k), transforms=FP8_TRANSFORMS)
   return [
       plgpu.BlockSpec((cfg.tile_m, bk), lambda k: (m_idx, k), transforms=FP8_TRANSFORMS, collective_axes=shared_a),
-      plgpu.BlockSpec((cfg.tile_n, bk), lambda k: (n_idx, k), transforms=FP8_TRANSFORMS, collective_axes=shared_b),
+      b_spec,
       plgpu.BlockSpec((cfg.k_blocks_per_step, cfg.tile_m), lambda k: (k, m_idx), collective_axes=shared_a),
   ]
 
@@ -376,8 +384,14 @@ def warpgroup_origin(cfg: MosaicGemmConfig, wg_idx):
   return 0, wg_idx * wg_n
 
 
+def _check_pairs(cfg: MosaicGemmConfig, num_n_blocks: int):
+  if cfg.num_compute_wgs != 2 or cfg.wg_split != Dim.N or cfg.cluster_dim is not None or num_n_blocks % 2:
+    raise ValueError(f"paired weight halves need two consumers split along N, no cluster and an even number of "
+                     f"128-column blocks, got {cfg} on {num_n_blocks} blocks")
+
+
 def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, num_k_blocks: int,
-                     num_n_blocks: int):
+                     num_n_blocks: int, paired_b: bool = False):
   """The warp-specialized structure both kernels run: one allocation of the TMA pipeline's stages (sized for the
   (a, b, a_s) views `operands`) and of the epilogue slots, shared by every tile the CTA computes.
 
@@ -386,15 +400,21 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
   the (N/128, K/128) weight scales b_s, then epilogue(accs, row0, col0) in each consumer warpgroup, (row0, col0) being
   its part's first element; with rows = (lo, hi) (traced), only in the consumers whose part holds one of the output
   rows [lo, hi). slots: this consumer's (2, 64, epi_n) epilogue buffers.
-  """
-  wg_m, wg_n = cfg.wg_tile
 
-  def pipeline(mma_body, compute_context, m_idx=0, n_idx=0):
+  paired_b: B is two stacked halves of N/2 rows (gate and up), consumer w (of two split along N) computes half w's
+  columns: compute_tile(..., b_pair=p) reads b as a (2 x pairs, N/2, K) view (rows 2p, 2p + 1: pair p's halves),
+  n_idx counts tile_n/2-column tiles of a half, col0 is w * N/2 + n_idx * tile_n/2 (B's column: its scales')."""
+  wg_m, wg_n = cfg.wg_tile
+  if paired_b:
+    _check_pairs(cfg, num_n_blocks)
+  half_n = num_n_blocks // 2 * BLOCK  # with paired_b: the columns of one half
+
+  def pipeline(mma_body, compute_context, m_idx=0, n_idx=0, b_pair=None):
     return plgpu.emit_pipeline_warp_specialized(
         mma_body,
         grid=(pl.cdiv(num_k_blocks, cfg.k_blocks_per_step),),
         memory_registers=PRODUCER_REGISTERS,
-        in_specs=in_specs(cfg, m_idx, n_idx),
+        in_specs=in_specs(cfg, m_idx, n_idx, b_pair),
         wg_axis="wg",
         num_compute_wgs=cfg.num_compute_wgs,
         max_concurrent_steps=cfg.max_concurrent_steps,
@@ -405,7 +425,7 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
 
   @functools.partial(
       pl.run_scoped,
-      pipeline_allocs=pipeline(ignore, ignore).get_allocations(*operands),
+      pipeline_allocs=pipeline(ignore, ignore, b_pair=0 if paired_b else None).get_allocations(*operands),
       out_smem=epilogue_slots,
       collective_axes="wg",
   )
@@ -413,13 +433,14 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
     wg_idx = lax.axis_index("wg")
     wg_row0, wg_col0 = warpgroup_origin(cfg, wg_idx)
 
-    def compute_tile(a, b, a_s, b_s, m_idx, n_idx, epilogue, rows=None):
+    def compute_tile(a, b, a_s, b_s, m_idx, n_idx, epilogue, rows=None, b_pair=None):
       row0 = m_idx * cfg.tile_m + wg_row0
-      col0 = n_idx * cfg.tile_n + wg_col0
+      # The consumer's first column in B's N, and its rows of the B tile (with paired_b: its half's box).
+      col0 = wg_idx * half_n + n_idx * wg_n if paired_b else n_idx * cfg.tile_n + wg_col0
+      b_rows = (lambda b_smem: b_smem.at[wg_idx]) if paired_b else (lambda b_smem: b_smem.at[pl.ds(wg_col0, wg_n)])
       # rows = (lo, hi): the tile's output rows that hold work. A consumer whose part misses them (the other expert's
       # half of a tile two experts share, the dead half past a live-row count) still paces the pipeline with the
-      # others but runs no wgmma and stores nothing.
-      # Only consumers split along M can miss a tile's rows (one holding the whole tile never does): no cond else.
+      # others but runs no wgmma and stores nothing. Only consumers split along M can miss them: no cond else.
       split_m = cfg.num_compute_wgs > 1 and cfg.wg_split == Dim.M
       busy = (rows[0] < row0 + wg_m) & (rows[1] > row0) if rows is not None and split_m else None
 
@@ -435,14 +456,14 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
 
         def step(carry):
           return scaled_mma_step(
-              carry, a_smem.at[pl.ds(wg_row0, wg_m)], b_smem.at[pl.ds(wg_col0, wg_n)],
+              carry, a_smem.at[pl.ds(wg_row0, wg_m)], b_rows(b_smem),
               as_smem.at[:, pl.ds(wg_row0, wg_m)], b_s, k_step=k_step, col0=col0, cfg=cfg,
               num_k_blocks=num_k_blocks, num_n_blocks=num_n_blocks)
 
         # An idle consumer's carry is never read: it neither stores nor outlives the tile.
         return step(carry) if busy is None else lax.cond(busy, step, lambda c: c, carry)
 
-      pipeline(mma_body, compute_context, m_idx, n_idx)(a, b, a_s, allocations=pipeline_allocs)
+      pipeline(mma_body, compute_context, m_idx, n_idx, b_pair)(a, b, a_s, allocations=pipeline_allocs)
 
     # The producer warpgroup (index num_compute_wgs) has no slots of its own; it never stores.
     slots = out_smem.at[jnp.minimum(wg_idx, cfg.num_compute_wgs - 1)]

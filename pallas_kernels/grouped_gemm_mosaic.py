@@ -24,6 +24,8 @@ tiling and 128-byte swizzle the 8-bit wgmma needs. Its output rows are a run [lo
 inside the tile, and a TMA store has a static box: each 64-row sub-tile stores its run as at most one copy per power
 of two (64, 32, ..., 1 rows), each predicated on a bit of the run's length. For those copies to start at any row the
 epilogue buffers are unswizzled with rows of exactly 128 bytes (the alignment a TMA's shared-memory side needs).
+Columns past N (a partial last column tile) read the weight's missing rows as TMA's zeros, clamp to the last block's
+b_s, and are clipped from the TMA stores, so N needs only to be a multiple of 8 (16-byte output row strides).
 
 Only the warp-specialized structure of the dense kernel is built here (producer warpgroup, 1-3 consumers; a persistent
 grid or one CTA per (item, column tile)); CTA clusters are not.
@@ -31,14 +33,16 @@ grid or one CTA per (item, column tile)); CTA clusters are not.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+import numpy as np
+
+from . import exact_division
+from ._jax_compat import store_unoptimized
 from .gemm_mosaic_common import (BLOCK, SMEM_BYTES, WGMMA_M, Dim, MosaicGemmConfig, common_problems,
                                  epilogue_slot_bytes, fit_smem, kernel_grid, pad_rows_for_tma, store_subtiles,
                                  tile_loop, warp_specialized, zero_accumulators)
@@ -46,6 +50,9 @@ from .gemm_mosaic_common import (BLOCK, SMEM_BYTES, WGMMA_M, Dim, MosaicGemmConf
 EPILOGUE_ROW_BYTES = 128  # one TMA-aligned shared-memory row per output row of an epilogue piece
 ITEM_FIELDS = 5  # batch, group, row block, lo, hi
 ZERO_GROUP = -1
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+R = np.float32(1.0 / FP8_MAX)  # scales are amax * R (docs/CONTRACT.md section 1), a multiply that rounds alike everywhere
 
 
 def epi_n(out_dtype) -> int:
@@ -69,6 +76,31 @@ def config_problems(config: MosaicGemmConfig, n: int, out_dtype) -> list[str]:
   if config.epi_tile_n not in (None, width):
     problems.append(f"epi_tile_n must be None or {width} for {jnp.dtype(out_dtype).name} outputs (128-byte rows)")
   return problems
+
+
+def silu_quant_problems(config: MosaicGemmConfig, n: int, h_dtype) -> list[str]:
+  """Why `config` cannot run the gate_up kernel with the SiLU-and-mul quantizer in its epilogue (`gate_up_silu_quant`)
+  on a [gate | up] weight of N = n rows, h rounded to h_dtype (empty: it can)."""
+  problems = common_problems(config, n // 2, h_dtype, silu_quant_smem_bytes(config, h_dtype))
+  if n % (2 * BLOCK):
+    problems.append(f"N={n} must hold a gate and an up half of a multiple of {BLOCK} rows each")
+  if (config.tile_m, config.tile_n, config.num_compute_wgs, config.wg_split) != (WGMMA_M, 2 * BLOCK, 2, Dim.N):
+    problems.append(f"the fused epilogue pairs a gate and an up block of {BLOCK} columns in one tile: tile_m="
+                    f"{WGMMA_M}, tile_n={2 * BLOCK}, two consumers split along N (wg_split=Dim.N), got tile_m="
+                    f"{config.tile_m}, tile_n={config.tile_n}, num_compute_wgs={config.num_compute_wgs}, "
+                    f"wg_split={config.wg_split.name}")
+  if not config.warp_specialized or config.cluster_dim is not None:
+    problems.append("the fused epilogue is warp-specialized without clusters")
+  if jnp.dtype(h_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    problems.append(f"h is rounded to a 16-bit float (x's dtype), got {jnp.dtype(h_dtype).name}")
+  return problems
+
+
+def silu_quant_smem_bytes(config: MosaicGemmConfig, h_dtype) -> int:
+  """The pipeline's stages, one 64-row slot of codes per consumer (128-byte rows) and the up half's exchange tile
+  (swizzled: aligned to 1024 bytes)."""
+  exchange = WGMMA_M * BLOCK * jnp.dtype(h_dtype).itemsize
+  return config.pipeline_smem_bytes() + config.num_compute_wgs * WGMMA_M * BLOCK + exchange + 1024  # swizzle alignment
 
 
 def smem_bytes(config: MosaicGemmConfig, out_dtype) -> int:
@@ -224,7 +256,157 @@ def _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *, cfg: Mosa
     tile_loop(cfg, (num_items, pl.cdiv(n, cfg.tile_n)), tile)
 
   warp_specialized(cfg, (a_gmem.at[0], b_gmem.at[0], as_gmem.at[0]), slots_type, body, num_k_blocks=k // BLOCK,
-                   num_n_blocks=n // BLOCK)
+                   num_n_blocks=pl.cdiv(n, BLOCK))
+
+
+# ------------------------------------------------- gate_up with the SiLU-and-mul quantizer in its epilogue
+
+
+def _silu_and_mul(gate, up):
+  """docs/CONTRACT.md section 1 (fuse_silu_and_mul): round(round(silu(f32(gate))) * f32(up)) in gate's dtype, with
+  silu(z) = z / (1 + exp(-z))."""
+  dtype = gate.dtype
+  g = gate.astype(jnp.float32)
+  silu = g / (jnp.float32(1.0) + jnp.exp(-g))
+  return (silu.astype(dtype).astype(jnp.float32) * up.astype(jnp.float32)).astype(dtype)
+
+
+def _quantize_rows(v, eps: float, interpret: bool):
+  """(codes, scales) of v (64, 128) float32, one quantization group per row (section 1): scale = max(amax, eps) * R,
+  codes = e4m3(clip(v / scale)). Natively the division is the hardware's IEEE one and the cast saturates
+  (`cvt.rn.satfinite`); interpreted, XLA would divide by a reciprocal and turn values past 464 into NaN, so the
+  correctly rounded quotient and an explicit clip stand in."""
+  scale = jnp.maximum(jnp.max(jnp.abs(v), axis=1), jnp.float32(eps)) * R
+  scale_full = lax.broadcast_in_dim(scale, v.shape, [0])
+  if interpret:
+    q = jnp.clip(exact_division.divide_correctly_rounded(v, scale_full), -FP8_MAX, FP8_MAX)
+  else:
+    q = v / scale_full
+  return q.astype(FP8), scale
+
+
+def _silu_quant_epilogue(accs, wg_idx, code_slot, exchange, up_ready, up_free, q_rows, s_rows, lo, hi, row0,
+                         eps: float, interpret: bool):
+  """The epilogue of one 64 x (128 + 128) tile: consumer 1 holds the up block, consumer 0 the gate block of the same
+  128 output columns. Each rounds its block to h's dtype (section 8); the up block goes to consumer 0 through shared
+  memory, which computes SiLU(gate) * up, quantizes each row's group and stores the rows [lo, hi) of the codes
+  (q_rows(start, size): a window of the codes' rows from row0) and all 64 rows' scales (s_rows: the 64 scales of the
+  tile's rows in the column-major scale array; rows outside [lo, hi) belong to no other work item: see
+  `gate_up_silu_quant`)."""
+  (acc,) = accs
+  h = acc.astype(exchange.dtype)
+
+  @pl.when(wg_idx == 1)
+  def _send_up():
+    plgpu.barrier_wait(up_free)  # consumer 0 has read the previous tile's up block
+    exchange[...] = h
+    plgpu.commit_smem()  # every thread's part is written before the arrival
+    plgpu.barrier_arrive(up_ready)
+
+  @pl.when(wg_idx == 0)
+  def _quantize():
+    plgpu.barrier_wait(up_ready)
+    up = plgpu.load(exchange, layout=plgpu.Layout.WGMMA)
+    plgpu.commit_smem()  # every thread has read it before the exchange is released
+    plgpu.barrier_arrive(up_free)
+    codes, scales = _quantize_rows(_silu_and_mul(h, up).astype(jnp.float32), eps, interpret)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's code store has read the slot
+    store_unoptimized(code_slot, codes)
+    plgpu.commit_smem()
+    run_start = jnp.clip(lo - row0, 0, WGMMA_M)
+    run_len = jnp.clip(hi - row0, 0, WGMMA_M) - run_start
+    _store_run(code_slot, q_rows, run_start, run_len, WGMMA_M)
+    store_unoptimized(s_rows, scales)
+
+
+def _gate_up_kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem, *, cfg: MosaicGemmConfig,
+                    num_items: int, eps: float, h_dtype, interpret: bool):
+  """a_gmem (B, M_a, K), b_gmem (2E, I, K) (expert e's gate rows at 2e, its up rows at 2e + 1), as_gmem
+  (B, K/128, M_a'), bs_gmem (E, 2I/128, K/128), q_gmem (B, M_o, I) fp8, s_gmem (B, I/128, M_s) float32."""
+  i, k = b_gmem.shape[1:]
+  slots_type = plgpu.SMEM((cfg.num_compute_wgs, WGMMA_M, BLOCK), FP8)
+
+  def body(compute_tile, slots, wg_idx, wg_origin):
+    del wg_origin  # the tile's two consumers share its rows; each holds one 128-column block
+
+    def with_exchange(exchange, up_ready, up_free):
+      # The exchange starts free: consumer 1's first wait passes on this arrival.
+      pl.when(wg_idx == 0)(lambda: plgpu.barrier_arrive(up_free))
+
+      def tile(item, n_idx):
+        batch, group, block, lo, hi = (items_gmem[f, item] for f in range(ITEM_FIELDS))
+        row0 = block * cfg.tile_m
+        q_rows = lambda start, size: q_gmem.at[batch, pl.ds(row0 + start, size), pl.ds(n_idx * BLOCK, BLOCK)]
+        s_rows = s_gmem.at[batch, n_idx, pl.ds(row0, WGMMA_M)]
+
+        def epilogue(accs, row0_, col0):
+          del row0_, col0
+          _silu_quant_epilogue(accs, wg_idx, slots, exchange, up_ready, up_free, q_rows, s_rows, lo, hi, row0,
+                               eps, interpret)
+
+        @pl.when((hi > lo) & (group != ZERO_GROUP))
+        def _compute():
+          compute_tile(a_gmem.at[batch], b_gmem, as_gmem.at[batch], bs_gmem.at[group], block, n_idx, epilogue,
+                       b_pair=group)
+
+      tile_loop(cfg, (num_items, i // BLOCK), tile)
+      # Consumer 1 takes the arrival that freed the exchange after the last tile: every phase of both barriers is
+      # waited for once.
+      pl.when(wg_idx == 1)(lambda: plgpu.barrier_wait(up_free))
+
+    # Swizzled as a wgmma operand would be: the up block's store and load in the accumulators' layout are then free
+    # of bank conflicts.
+    exchange = plgpu.SMEM((WGMMA_M, BLOCK), h_dtype, transforms=(
+        plgpu.TilingTransform((8, EPILOGUE_ROW_BYTES // jnp.dtype(h_dtype).itemsize)),
+        plgpu.SwizzleTransform(EPILOGUE_ROW_BYTES)))
+    pl.run_scoped(with_exchange, exchange, plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1),
+                  collective_axes="wg")
+
+  warp_specialized(cfg, (a_gmem.at[0], b_gmem, as_gmem.at[0]), slots_type, body, num_k_blocks=k // BLOCK,
+                   num_n_blocks=2 * i // BLOCK, paired_b=True)
+
+
+def gate_up_silu_quant(
+    a3: jax.Array, b_q: jax.Array, a_s3: jax.Array, b_s: jax.Array, items: jax.Array, *, out_rows: int,
+    h_dtype, eps: float, config: MosaicGemmConfig, num_sms: int, interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """An MoE layer's gate_up GEMM and its SiLU-and-mul quantizer in one kernel: for each work item (`work_items`:
+  rows [lo, hi) of batch b with expert e), h = h_dtype(a3[b] @ b_q[e].T) (the segment problem of
+  `grouped_block_fp8_matmul` on the [gate | up] weight b_q (E, 2I, K), b_s (E, 2I/128, K/128)), then codes and
+  scales of silu(h[:, :I]) * h[:, I:] (docs/CONTRACT.md section 1, group size 128, float scales, eps): h is never
+  written. Returns codes (B, out_rows, I) fp8 and column-major scales (B, I/128, round_up(out_rows, 64)) float32.
+
+  A tile of two consumers split along N computes gate block j and up block j of the same rows (a 3-D TMA box over
+  the weight viewed as (2E, I, K): no relayout of the checkpoint's weight), so the quantization group of 128 outputs
+  is whole in one CTA. The codes of rows outside the items are not written; scales are stored for all 64 rows of
+  an item's row tile, so the table must give each row tile to one work item at most (`ragged_items_from_starts`
+  with starts at multiples of 64, or the masked layout, without zero rows): the rows of a tile past its item's hi
+  get scales of whatever those rows of a3 hold (read by no one)."""
+  batches = a3.shape[0]
+  experts, n, k = b_q.shape
+  num_items = items.shape[1]
+  if problems := silu_quant_problems(config, n, h_dtype):
+    raise ValueError("; ".join(problems))
+  i = n // 2
+  scale_rows = pl.cdiv(out_rows, WGMMA_M) * WGMMA_M
+  a3 = pad_rows_for_tma(a3, 1)
+  b_pairs = b_q.reshape(experts * 2, i, k)  # free: splits each expert's rows into its gate and up halves
+
+  def body(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem):
+    _gate_up_kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem, cfg=config, num_items=num_items,
+                    eps=eps, h_dtype=jnp.dtype(h_dtype), interpret=interpret)
+
+  out_type = (jax.ShapeDtypeStruct((batches, out_rows, i), FP8),
+              jax.ShapeDtypeStruct((batches, i // BLOCK, scale_rows), jnp.float32))
+  return _launch(body, out_type, config, (num_items, i // BLOCK), num_sms, interpret)(items, a3, b_pairs, a_s3, b_s)
+
+
+def _launch(body, out_type, config: MosaicGemmConfig, work: tuple[int, int], num_sms: int, interpret: bool):
+  """The kernel of `body` over the (work items, column tiles) `work`: a producer and the consumer warpgroups."""
+  grid, grid_names = kernel_grid(config, work, num_sms)
+  return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=grid_names,
+                      num_threads=config.num_compute_wgs + 1, thread_name="wg",
+                      interpret=plgpu.InterpretGPUParams() if interpret else None)
 
 
 # ------------------------------------------------------------------------------------------------------ the launchers
@@ -246,18 +428,8 @@ def grouped_block_fp8_matmul(
   def body(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem):
     _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, cfg=config, num_items=num_items)
 
-  grid, grid_names = kernel_grid(config, (num_items, n_iters), num_sms)
-  interpret_params: Any = plgpu.InterpretGPUParams() if interpret else None
-  f = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((batches, out_rows, n), out_dtype),
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=config.num_compute_wgs + 1,
-      thread_name="wg",
-      interpret=interpret_params,
-  )
-  return f(items, a3, b_q, a_s3, b_s)
+  out_type = jax.ShapeDtypeStruct((batches, out_rows, n), out_dtype)
+  return _launch(body, out_type, config, (num_items, n_iters), num_sms, interpret)(items, a3, b_q, a_s3, b_s)
 
 
 def ragged_items(group_sizes: jax.Array, m: int, tile_m: int, zero_unowned_rows: bool = True) -> jax.Array:
@@ -340,4 +512,5 @@ def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.b
 __all__ = ["BLOCK", "SMEM_BYTES", "WGMMA_M", "Dim", "MosaicGemmConfig", "config_problems", "fit_smem",
            "ragged_block_fp8_matmul", "masked_block_fp8_matmul", "grouped_block_fp8_matmul", "work_items",
            "ragged_items", "ragged_items_from_rows", "ragged_items_from_starts", "masked_items", "ragged_segments",
-           "masked_segments", "epi_n", "smem_bytes"]
+           "masked_segments", "epi_n", "smem_bytes", "gate_up_silu_quant", "silu_quant_problems",
+           "silu_quant_smem_bytes"]

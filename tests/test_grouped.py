@@ -328,6 +328,130 @@ def test_rows_at_given_starts(rng, kind):
     grouped.planner.prepare_from_starts(jnp.asarray(starts), jnp.asarray(sizes), xla_plan)
 
 
+# ------------------------------------------------------- gate_up with the SiLU-and-mul quantizer in its epilogue
+
+FUSED_CONFIG = MosaicGemmConfig(tile_m=64, tile_n=256, max_concurrent_steps=2, wg_split=Dim.N, grid_size=2)
+
+
+def _fused_expected(a_q, a_s_col, b_q, b_s, rows_of, h_dtype):
+  """Per group: codes and column-major scales of SiLU(gate) * up of its rows' h rounded to h_dtype (§1, §8)."""
+  out = {}
+  for e, rows in rows_of.items():
+    h = ref.block_fp8_matmul(a_q[rows], b_q[e], a_s_col[:, rows], b_s[e], (128, 128), a_s_column_major=True)
+    out[e] = ref.per_token_group_quant_fp8(ref.cast_output(h, h_dtype), 128, fuse_silu_and_mul=True,
+                                           column_major_scales=True)
+  return out
+
+
+def _check_fused(q, s, expected, rows_of, unowned):
+  """Every owned row's codes and scales as the reference's (an h whose exp rounds one ulp apart may move a scale by
+  ulps and a code by one step, §1), and the codes of rows no group owns unwritten (the interpreter's NaN fill)."""
+  for e, rows in rows_of.items():
+    want_q, want_s = expected[e]
+    assert np.isfinite(s[:, rows]).all() and np.isfinite(q[rows].astype(np.float32)).all(), f"group {e} unwritten"
+    np.testing.assert_allclose(s[:, rows], want_s, rtol=2 ** -7)
+    assert np.mean(s[:, rows] == want_s) >= 0.95
+    distance = ref.fp8_code_distance(q[rows], want_q)
+    assert distance.max() <= 1 and np.mean(distance == 0) >= 0.99
+  assert np.isnan(q[unowned].astype(np.float32)).all(), "a row of no group got codes"
+
+
+@needs_mosaic
+@pytest.mark.parametrize("h_dtype", [jnp.bfloat16, jnp.float16])
+def test_gate_up_with_the_silu_quantizer_in_its_epilogue(rng, h_dtype):
+  """`gate_up_silu_quant` interpreted on the MoE layer's aligned rows (each group from a multiple of 64, gaps of no
+  group's rows poisoned): groups across row tiles, an empty one, one of a single row, two 128-column blocks, three K
+  blocks on a two-stage pipeline, a persistent grid of two CTAs that loops over tiles (the gate and up consumers'
+  hand-over runs many times), against §1 of the reference's h."""
+  sizes = np.array([70, 0, 1, 50], np.int32)
+  e, i, k = len(sizes), 256, 384
+  starts = np.concatenate([[0], np.cumsum(-(-sizes // 64) * 64)[:-1]]).astype(np.int32)
+  m = int(starts[-1] + 64 + 5)  # rows past the last group's tile too
+  b_q, b_s = _weights(rng, e, 2 * i, k)
+  a_q, a_s = _activations(rng, (m, k), 128, column_major=True)
+  rows_of = {g: starts[g] + np.arange(sizes[g]) for g in range(e) if sizes[g]}
+  owned = np.zeros(m, bool)
+  owned[np.concatenate(list(rows_of.values()))] = True
+  a_q, a_s = _poison_unowned_rows(a_q, a_s, owned, True)
+  a_q[~owned] = 0  # the layer's gap rows hold some token's codes: finite (a NaN row's scales are no one's)
+  a_s[:, :m][:, ~owned] = 1.0
+  if h_dtype == jnp.float16:
+    # Each row's scales times a power of two that brings its h near 64: SiLU(gate) * up within float16's range.
+    for g, rows in rows_of.items():
+      h = ref.block_fp8_matmul(a_q[rows], b_q[g], a_s[:, rows], b_s[g], (128, 128), a_s_column_major=True)
+      a_s[:, rows] *= np.exp2(np.floor(np.log2(64.0 / np.abs(h).max(axis=1)))).astype(np.float32)
+  items = ggm.ragged_items_from_starts(jnp.asarray(starts), jnp.asarray(sizes), m, 64)
+  q, s = ggm.gate_up_silu_quant(jnp.asarray(a_q)[None], jnp.asarray(b_q), jnp.asarray(a_s)[None], jnp.asarray(b_s),
+                                items, out_rows=m, h_dtype=h_dtype, eps=1e-10, config=FUSED_CONFIG, num_sms=132,
+                                interpret=True)
+  q, s = np.asarray(q)[0], np.asarray(s)[0]
+  assert q.shape == (m, i) and q.dtype == F8 and s.shape == (i // 128, -(-m // 64) * 64) and s.dtype == np.float32
+  _check_fused(q, s, _fused_expected(a_q, a_s, b_q, b_s, rows_of, h_dtype), rows_of, ~owned)
+
+
+@needs_mosaic
+def test_gate_up_with_the_silu_quantizer_on_the_masked_layout(rng):
+  """The same kernel on a masked table (each expert its own buffer, so no tile holds two experts' rows)."""
+  masked_m = np.array([5, 0, 70, 64], np.int32)
+  e, t, i, k = len(masked_m), 70, 128, 256
+  b_q, b_s = _weights(rng, e, 2 * i, k)
+  a_q, a_s = _activations(rng, (e, t, k), 128, column_major=True, masked_m=masked_m)
+  items = ggm.masked_items(jnp.asarray(masked_m), t, 64, zero_unowned_rows=False)
+  q, s = ggm.gate_up_silu_quant(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s), items,
+                                out_rows=t, h_dtype=jnp.bfloat16, eps=1e-10, config=FUSED_CONFIG, num_sms=132,
+                                interpret=True)
+  q, s = np.asarray(q), np.asarray(s)
+  for g in range(e):
+    rows = {g: np.arange(masked_m[g])} if masked_m[g] else {}
+    expected = _fused_expected(a_q[g], a_s[g], b_q, b_s, rows, jnp.bfloat16)
+    _check_fused(q[g], s[g], expected, rows, np.arange(t) >= masked_m[g])
+
+
+def test_the_fused_epilogue_refuses_what_it_cannot_pair():
+  ok = FUSED_CONFIG
+  assert ggm.silu_quant_problems(ok, 512, jnp.bfloat16) == []
+  for config, n, dtype, match in [
+      (dataclasses.replace(ok, tile_m=128, wg_split=Dim.M), 512, jnp.bfloat16, "two consumers split along N"),
+      (dataclasses.replace(ok, tile_m=128), 512, jnp.bfloat16, "tile_m=64"),
+      (ok, 384, jnp.bfloat16, "N=384 must hold a gate and an up half"),
+      (ok, 512, jnp.float32, "16-bit float"),
+  ]:
+    problems = ggm.silu_quant_problems(config, n, dtype)
+    assert any(match in p for p in problems), problems
+  if MOSAIC_GEMM_IMPORTABLE:
+    with pytest.raises(ValueError, match="N=384"):
+      ggm.gate_up_silu_quant(jnp.zeros((1, 64, 128), F8), jnp.zeros((2, 384, 128), F8), jnp.ones((1, 1, 64)),
+                             jnp.ones((2, 3, 1)), jnp.zeros((5, 2), jnp.int32), out_rows=64, h_dtype=jnp.bfloat16,
+                             eps=1e-10, config=ok, num_sms=132, interpret=True)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("e,i,k,rows", [(32, 2048, 7168, 4096 + 32 * 63), (128, 768, 2048, 32768 + 128 * 63)])
+def test_gate_up_with_the_silu_quantizer_lowers_for_cuda(e, i, k, rows):
+  """DeepSeek-V3 EP8 and Qwen3-30B-A3B gate_up at prefill: one kernel, whose outputs are the codes and scales (no
+  h of 2I columns anywhere)."""
+  structs = [jax.ShapeDtypeStruct((rows, k), F8), jax.ShapeDtypeStruct((e, 2 * i, k), F8),
+             jax.ShapeDtypeStruct((k // 128, -(-rows // 4) * 4), jnp.float32),
+             jax.ShapeDtypeStruct((e, 2 * i // 128, k // 128), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.int32)]
+  with _platform.abstract_h200():
+    p = grouped.problem("ragged", e, rows, 2 * i, k, (128, 128), out_dtype=jnp.bfloat16, a_s_column_major=True,
+                        zero_unowned_rows=False)
+    plan = grouped.plan(p, implementation="mosaic")
+    assert grouped.planner.silu_quant_unsupported(plan, jnp.bfloat16) is None, str(plan)
+
+    def call(a_q, b_q, a_s, b_s, sizes):
+      starts = jnp.cumsum((sizes + 63) // 64 * 64) - (sizes + 63) // 64 * 64
+      table = grouped.planner.prepare_from_starts(starts, sizes, plan)
+      return grouped.planner.run_gate_up_silu_quant(a_q, b_q, a_s, b_s, table, plan=plan, h_dtype=jnp.bfloat16,
+                                                    eps=1e-10)
+
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*structs)
+  assert [a.shape for a in exported.out_avals] == [(rows, i), (i // 128, -(-rows // 64) * 64)]
+  text = exported.mlir_module()
+  assert helpers.kernel_calls(text) == ["mosaic_gpu_v2"]
+  assert f"x{2 * i}xbf16>" not in text and f"x{2 * i}xf32>" not in text
+
+
 @needs_mosaic
 @pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_m_128x128_k2"])
 def test_mosaic_masked_interpreted(rng, kind):
@@ -335,6 +459,24 @@ def test_mosaic_masked_interpreted(rng, kind):
   args, expect = _masked_case(rng, [5, 0, 70, 99, 64], 70, 256, 256, column_major=True)
   out = jaxfp8.masked_w8a8_block_fp8_matmul(*args, (128, 128), a_s_column_major=True, out_dtype=jnp.bfloat16,
                                             implementation="mosaic", config=KINDS[kind])
+  _check(out, expect, jnp.bfloat16)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_n_64x256", "ws1_64x128_persistent"])
+@pytest.mark.parametrize("layout,n", [("ragged", 200), ("ragged", 576), ("masked", 200)])
+def test_mosaic_column_tails(rng, kind, layout, n):
+  """N not a multiple of 128 (a partial last column tile: 72 columns of 200, 64 of 576), bfloat16 out: every owned
+  column written (the interpreter's NaN fill shows any that is not), the last block at its own scale."""
+  column_major = layout == "masked" or kind.endswith("persistent")
+  if layout == "ragged":
+    args, expect = _ragged_case(rng, [70, 0, 1, 60, 0, 10], 150, n, 256, column_major=column_major)
+    call = jaxfp8.ragged_w8a8_block_fp8_matmul
+  else:
+    args, expect = _masked_case(rng, [5, 0, 70, 33], 70, n, 256, column_major=column_major)
+    call = jaxfp8.masked_w8a8_block_fp8_matmul
+  out = call(*args, (128, 128), a_s_column_major=column_major, out_dtype=jnp.bfloat16, implementation="mosaic",
+             config=KINDS[kind])
   _check(out, expect, jnp.bfloat16)
 
 
@@ -433,11 +575,13 @@ def _lower(layout, e, rows, n, k, out_dtype, config=None):
     a = jax.ShapeDtypeStruct((e, rows, k), F8)
     s = jax.ShapeDtypeStruct((e, k // 128, -(-rows // 4) * 4), jnp.float32)
     f = jaxfp8.masked_w8a8_block_fp8_matmul
-  structs = [a, jax.ShapeDtypeStruct((e, n, k), F8), s, jax.ShapeDtypeStruct((e, n // 128, k // 128), jnp.float32),
-             jax.ShapeDtypeStruct((e,), jnp.int32)]
-  call = functools.partial(f, block_size=(128, 128), a_s_column_major=True, out_dtype=out_dtype, config=config)
+  structs = [a, jax.ShapeDtypeStruct((e, n, k), F8), s,
+             jax.ShapeDtypeStruct((e, -(-n // 128), k // 128), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.int32)]
+  call = functools.partial(f, block_size=(128, 128), a_s_column_major=True, out_dtype=out_dtype,
+                           implementation="mosaic", config=config)
   with _platform.abstract_h200():
-    plan = grouped.plan_for(a, structs[1], (128, 128), out_dtype=out_dtype, a_s_column_major=True, config=config)
+    plan = grouped.plan_for(a, structs[1], (128, 128), out_dtype=out_dtype, a_s_column_major=True,
+                            implementation="mosaic", config=config)
     assert plan.implementation == "mosaic", plan
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == ((rows, n) if layout == "ragged" else (e, rows, n))
@@ -464,6 +608,13 @@ def test_default_configs_lower_for_cuda(shape, layout, rows):
 
 
 @needs_mosaic
+@pytest.mark.parametrize("layout,rows", [("ragged", 8), ("ragged", 4096), ("masked", 64)])
+def test_column_tails_lower_for_cuda(layout, rows):
+  """Experts of 576 output columns (a partial last column tile) on the default schedules, decode and prefill."""
+  _lower(layout, 32, rows, 576, 7168, jnp.bfloat16)
+
+
+@needs_mosaic
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_config_kinds_lower_for_cuda(kind):
   config = dataclasses.replace(KINDS[kind], grid_size=None, max_concurrent_steps=4)
@@ -481,6 +632,8 @@ def test_plans_say_why():
       prefill = grouped.plan_for(a, b, (128, 128))
       decode = grouped.plan_for(jax.ShapeDtypeStruct((32, 64, 7168), F8), b, (128, 128))
       odd = grouped.plan_for(a, b, (128, 64))
+      tail = grouped.plan_for(a, jax.ShapeDtypeStruct((32, 576, 7168), F8), (128, 128))
+    assert tail.implementation == "xla" and "partial last column tile" in str(tail), str(tail)
     assert prefill.implementation == "mosaic" and prefill.config.persistent and "prefill" in str(prefill)
     assert (prefill.config.tile_m, prefill.config.tile_n, prefill.config.wg_split) == (64, 256, ggm.Dim.N)
     assert decode.config.tile_m == 64 and not decode.config.persistent and "decode" in str(decode)
@@ -608,16 +761,18 @@ def _device_problem(key, lead, rows, e, n, k):
   a_q = jnp.clip(jax.random.normal(ka, (*lead, rows, k)) * 100, -448, 448).astype(F8)
   b_q = jnp.clip(jax.random.normal(kb, (e, n, k)) * 100, -448, 448).astype(F8)
   a_s = jax.random.uniform(ks, (*lead, k // 128, -(-rows // 4) * 4), minval=1e-4, maxval=1e-2)
-  b_s = jax.random.uniform(kt, (e, n // 128, k // 128), minval=1e-4, maxval=1e-2)
+  b_s = jax.random.uniform(kt, (e, -(-n // 128), k // 128), minval=1e-4, maxval=1e-2)
   return a_q, b_q, a_s, b_s
 
 
 def _check_sampled(out, a_q, b_q, a_s_col, b_s, expert_rows, rng):
-  """Up to 4 rows of every expert and the first and last 128 columns against the float64 reference, per expert;
-  every other row (no expert owns it) exactly 0. expert_rows: per expert, its rows' indices into out/a_q (2-D)."""
+  """Up to 4 rows of every expert and the columns of its first and last 128-column block (partial where N % 128)
+  against the float64 reference, per expert; every other row (no expert owns it) exactly 0. expert_rows: per expert,
+  its rows' indices into out/a_q (2-D)."""
   out = np.asarray(jnp.asarray(out).astype(jnp.float32))
   n = out.shape[-1]
-  cols = np.r_[0:128, n - 128:n]
+  last = -(-n // 128) - 1
+  cols = np.r_[0:128, last * 128:n]
   owned = np.zeros(out.shape[0], bool)
   for e, rows in enumerate(expert_rows):
     owned[rows] = True
@@ -627,7 +782,7 @@ def _check_sampled(out, a_q, b_q, a_s_col, b_s, expert_rows, rng):
     a = np.asarray(a_q[pick])
     scales = np.asarray(a_s_col[:, pick])
     b = np.asarray(b_q[e])[cols]
-    sb = np.asarray(b_s[e])[[0, n // 128 - 1]]
+    sb = np.asarray(b_s[e])[[0, last]]
     expect = ref.block_fp8_matmul(a, b, scales, sb, (128, 128), a_s_column_major=True)
     err = ref.relative_error(out[np.ix_(pick, cols)], ref.cast_output(expect, jnp.bfloat16).astype(np.float32))
     assert err <= 5e-3, (e, err)
@@ -656,6 +811,32 @@ def test_gpu_ragged_expert_shapes(shape, rows, skew):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
+@pytest.mark.parametrize("layout", ["ragged", "masked"])
+@pytest.mark.parametrize("rows", [8, 256, 4096])
+def test_gpu_column_tails(layout, rows):
+  """32 experts of 576 output columns (a partial last column tile) on the Mosaic kernel's default schedules."""
+  rng = np.random.default_rng(rows)
+  e, n, k = 32, 576, 7168
+  if layout == "ragged":
+    sizes = rng.multinomial(rows - 3, np.full(e, 1.0 / e))
+    a_q, b_q, a_s, b_s = _device_problem(jax.random.key(rows), (), rows, e, n, k)
+    out = jaxfp8.ragged_w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, jnp.asarray(sizes, jnp.int32), (128, 128),
+                                              a_s_column_major=True, implementation="mosaic")
+    bounds = ref.ragged_group_bounds(sizes, rows)
+    _check_sampled(out, a_q, b_q, a_s, b_s, [np.arange(lo, hi) for lo, hi in bounds], rng)
+    return
+  t = min(rows, 200)
+  masked_m = rng.integers(0, t + 1, e)
+  a_q, b_q, a_s, b_s = _device_problem(jax.random.key(rows), (e,), t, e, n, k)
+  out = jaxfp8.masked_w8a8_block_fp8_matmul(a_q, b_q, a_s, b_s, jnp.asarray(masked_m, jnp.int32), (128, 128),
+                                            a_s_column_major=True, implementation="mosaic")
+  flat_scales = jnp.moveaxis(a_s[:, :, :t], 0, 1).reshape(k // 128, e * t)
+  _check_sampled(out.reshape(e * t, n), a_q.reshape(e * t, k), b_q, flat_scales, b_s,
+                 [g * t + np.arange(masked_m[g]) for g in range(e)], rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("shape", list(EXPERT_SHAPES))
 @pytest.mark.parametrize("t", [64, 200])
 def test_gpu_masked_expert_shapes(shape, t):
@@ -670,6 +851,35 @@ def test_gpu_masked_expert_shapes(shape, t):
   flat_scales = jnp.moveaxis(a_s[:, :, :t], 0, 1).reshape(k // 128, e * t)
   _check_sampled(out.reshape(e * t, n), a_q.reshape(e * t, k), b_q, flat_scales, b_s,
                  [g * t + np.arange(masked_m[g]) for g in range(e)], rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("shape", ["deepseek_v3_ep8.gate_up", "qwen3_30b_a3b.gate_up"])
+@pytest.mark.parametrize("rows_per_expert", [70, 600])
+def test_gpu_gate_up_with_the_silu_quantizer_in_its_epilogue(shape, rows_per_expert):
+  """The fused gate_up at the layer's expert shapes on aligned rows (each expert from a multiple of 64, a third of
+  them empty): up to 4 rows of every expert against §1 of the reference's h (scales within a bf16 ulp of h's amax,
+  codes within one step), every expert's rows written."""
+  rng = np.random.default_rng(rows_per_expert + len(shape))
+  e, n, k = EXPERT_SHAPES[shape]
+  sizes = np.where(np.arange(e) % 3 == 0, 0, rng.integers(1, 2 * rows_per_expert, e)).astype(np.int32)
+  starts = np.concatenate([[0], np.cumsum(-(-sizes // 64) * 64)[:-1]]).astype(np.int32)
+  rows = int(starts[-1] + -(-sizes[-1] // 64) * 64) + 3
+  a_q, b_q, a_s, b_s = _device_problem(jax.random.key(rows), (), rows, e, n, k)
+  p = grouped.problem("ragged", e, rows, n, k, (128, 128), a_s_column_major=True, zero_unowned_rows=False)
+  plan = grouped.plan(p, implementation="mosaic")
+  if grouped.planner.silu_quant_unsupported(plan, jnp.bfloat16):
+    # (the decode schedule at few rows per expert: the fused epilogue's tile instead)
+    plan = grouped.plan(p, implementation="mosaic", config=MosaicGemmConfig(tile_m=64, tile_n=256, wg_split=Dim.N))
+  table = grouped.planner.prepare_from_starts(jnp.asarray(starts), jnp.asarray(sizes), plan)
+  q, s = grouped.planner.run_gate_up_silu_quant(a_q, b_q, a_s, b_s, table, plan=plan, h_dtype=jnp.bfloat16, eps=1e-10)
+  q, s = np.asarray(q), np.asarray(s)
+  rows_of = {g: rng.choice(starts[g] + np.arange(sizes[g]), min(4, sizes[g]), replace=False)
+             for g in range(e) if sizes[g]}
+  expected = _fused_expected(np.asarray(a_q), np.asarray(a_s), np.asarray(b_q), np.asarray(b_s), rows_of,
+                             jnp.bfloat16)
+  _check_fused(q, s, expected, rows_of, np.zeros(rows, bool))
 
 
 @pytest.mark.parametrize("layout", ["ragged", "masked"])

@@ -10,6 +10,9 @@ device), and `Fp8MoE` (Flax NNX) saved and loaded in the Hugging Face naming, sh
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import os
 import subprocess
 import sys
@@ -335,11 +338,13 @@ def test_explain_says_what_runs_and_why():
 
 @needs_mosaic
 @pytest.mark.parametrize("tokens,top_k,e,h,i", [(64, 8, 32, 7168, 2048), (4096, 8, 128, 2048, 768)])
-def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
+@pytest.mark.parametrize("fuse", [None, True])
+def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i, fuse):
   """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200 to its
   Mosaic kernels (the tokens' quantizer, the live-row gather, gate_up, the SiLU-and-mul quantizer, down, and from
   combine.MOSAIC_MIN_TOKENS tokens the combine), around them nothing copies the codes (the gather kernel moves them),
-  and gate_up's output goes to the SiLU quantizer as it is."""
+  and gate_up's output goes to the SiLU quantizer as it is; asked for, on aligned expert rows (prefill) the quantizer
+  is in gate_up's epilogue, and no h of 2I columns exists at all."""
   from jaxfp8.moe import combine as moe_combine
   if not MOSAIC_QUANT_IMPORTABLE:
     pytest.skip("the Mosaic quantizer does not import here")
@@ -348,21 +353,24 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i):
              jax.ShapeDtypeStruct((e, 2 * i // 128, h // 128), jnp.float32), jax.ShapeDtypeStruct((e, h, i), F8),
              jax.ShapeDtypeStruct((e, h // 128, i // 128), jnp.float32)]
   with _platform.abstract_h200():
-    plan = moe.explain(structs[0], structs[3], structs[5], top_k)
+    plan = moe.explain(structs[0], structs[3], structs[5], top_k, silu_quant_in_gate_up=fuse)
     assert plan.gate_up.implementation == "mosaic" and plan.quant_h.implementation == "mosaic", str(plan)
     assert plan.permute.implementation == "mosaic", str(plan)
-    exported = jax.export.export(jax.jit(moe.fp8_moe), platforms=["cuda"])(*structs)
+    layer = functools.partial(moe.fp8_moe, silu_quant_in_gate_up=fuse)
+    exported = jax.export.export(jax.jit(layer), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == (tokens, h)
   text = exported.mlir_module()
-  kernels = 5 + (tokens >= moe_combine.MOSAIC_MIN_TOKENS)
-  assert plan.combine.implementation == ("mosaic" if kernels == 6 else "xla"), str(plan)
+  assert plan.fused_silu_quant == (bool(fuse) and plan.row_align == 64), str(plan)
+  combined = tokens >= moe_combine.MOSAIC_MIN_TOKENS
+  assert plan.combine.implementation == ("mosaic" if combined else "xla"), str(plan)
+  kernels = 5 + combined - plan.fused_silu_quant
   assert kernel_calls(text) == ["mosaic_gpu_v2"] * kernels, kernel_calls(text)
   ops = lowered_ops(text)
   assert ops["f8E4M3FN"] <= {"custom_call", "reshape", "broadcast_in_dim", "optimization_barrier"}, ops
   assert not any("stablehlo.gather" in line and "xf8E4M3FN>" in line for line in text.splitlines())
   assert ops["bf16"] <= {"custom_call", "reshape", "broadcast_in_dim", "convert", "optimization_barrier"}, ops
-  assert f"<{plan.rows}x{2 * i}xbf16>" in text and f"<{plan.rows}x{2 * i}xf32>" not in text, (
-      "gate_up's output widened to float32 outside the kernels")
+  assert (f"<{plan.rows}x{2 * i}xbf16>" in text) != plan.fused_silu_quant, "h written where fused, or not where not"
+  assert f"<{plan.rows}x{2 * i}xf32>" not in text, "gate_up's output widened to float32 outside the kernels"
 
 
 @needs_mosaic
@@ -394,11 +402,17 @@ def test_layer_with_aligned_expert_rows_matches_reference(rng):
   x = jnp.asarray(rng.standard_normal((160, 256)), jnp.bfloat16)
   ids, weights = _routing(rng, 160, 8, 4, empty=[5])
   args = (x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts))
-  plan = moe.explain(x, args[3], args[5], 4, implementation="mosaic", interpret=True)
-  assert plan.row_align == 64, str(plan)
-  out = np.asarray(moe.fp8_moe(*args, implementation="mosaic", interpret=True), np.float32)
+  plan = moe.explain(x, args[3], args[5], 4, implementation="mosaic", interpret=True, silu_quant_in_gate_up=True)
+  assert plan.row_align == 64 and plan.fused_silu_quant and "in gate_up's epilogue" in str(plan), str(plan)
+  out = np.asarray(moe.fp8_moe(*args, implementation="mosaic", interpret=True, silu_quant_in_gate_up=True),
+                   np.float32)
   assert np.isfinite(out).all()
   assert ref.relative_error(out, _expected(x, ids, weights, experts)) <= TOL
+  # The quantizer in gate_up's epilogue gives the two-kernel chain's codes and scales (both interpreted divide
+  # exactly and take XLA's exp): the layer's output bit for bit.
+  unfused = dataclasses.replace(plan, fused_silu_quant=False)
+  two_kernels = jax.jit(lambda *a: moe_layer.forward(*a, unfused))(*args)
+  np.testing.assert_array_equal(np.asarray(two_kernels, np.float32), out)
 
 
 @needs_mosaic
@@ -406,14 +420,22 @@ def test_prefill_dispatch_starts_each_expert_at_a_row_tile():
   """Under the persistent (prefill) schedule each expert's rows start at a multiple of its 64-row work items, in the
   packed order's sequence; the slots of no expert come after the last expert's block; decode keeps packed rows."""
   e, h, i, t, k = 8, 256, 128, 160, 4
+  weights = jax.ShapeDtypeStruct((e, 2 * i, h), F8), jax.ShapeDtypeStruct((e, h, i), F8)
   with _platform.abstract_h200():
-    prefill = moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
-                          jax.ShapeDtypeStruct((e, h, i), F8), k)
-    decode = moe.explain(jax.ShapeDtypeStruct((1, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
-                         jax.ShapeDtypeStruct((e, h, i), F8), k)
+    prefill = moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up=True)
+    decode = moe.explain(jax.ShapeDtypeStruct((1, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up=True)
+    default = moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k)
   assert prefill.row_align == 64 and "multiple of 64" in str(prefill), str(prefill)
   assert prefill.rows == t * k + e * 63
   assert decode.row_align == 1 and "packed" in str(decode), str(decode)
+  # The SiLU-and-mul quantizer goes into gate_up's epilogue only where no row tile holds two experts' rows.
+  assert prefill.fused_silu_quant and not decode.fused_silu_quant
+  assert "not in gate_up's epilogue: packed expert rows" in decode.silu_quant_reason, decode.silu_quant_reason
+  # and only where asked for
+  assert default.row_align == 64 and not default.fused_silu_quant, str(default)
+  assert "not asked for" in default.silu_quant_reason, default.silu_quant_reason
+  with pytest.raises(ValueError, match="silu_quant_in_gate_up must be True, False or None, got 'yes'"):
+    moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up="yes")
   rng = np.random.default_rng(7)
   ids = rng.integers(-1, e + 1, (t, k)).astype(np.int32)
   ids[:, 0] = 3  # one expert with more than a tile of rows
@@ -722,6 +744,27 @@ def test_gather_combine_matches_the_scatter_combine(rng, out_dtype):
     close = np.abs(new - old) <= 2 * np.finfo(np.float32).eps * valid.shape[1] * bound + (
         0 if out_dtype == jnp.float32 else np.abs(old) * 2.0**-7)
     assert close[np.isfinite(old)].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("tokens", [160, 301])
+def test_gpu_layer_with_the_silu_quantizer_in_gate_up(rng, tokens):
+  """The layer asked for the SiLU-and-mul quantizer in gate_up's epilogue, native: fused where its rows are aligned,
+  within §8's bound of the reference, and within it of the unfused layer (whose separate quantizer may round an exp
+  apart)."""
+  experts = _experts(rng, e=8, h=512, i=256)
+  x = jnp.asarray(rng.standard_normal((tokens, 512)), jnp.bfloat16)
+  ids, weights = _routing(rng, tokens, 8, 4, empty=[2])
+  args = (x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts))
+  plan = moe.explain(x, args[3], args[5], 4, silu_quant_in_gate_up=True)
+  assert plan.fused_silu_quant, str(plan)
+  fused = np.asarray(moe.fp8_moe(*args, silu_quant_in_gate_up=True), np.float32)
+  unfused = np.asarray(moe.fp8_moe(*args), np.float32)
+  assert np.isfinite(fused).all()
+  expected = _expected(x, ids, weights, experts)
+  assert ref.relative_error(fused, expected) <= TOL
+  assert ref.relative_error(fused, unfused) <= TOL
 
 
 @pytest.mark.gpu

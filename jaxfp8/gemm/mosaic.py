@@ -85,7 +85,7 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   301.5), where the shipped schedules spilled and ran 1931.0, 2162.7 and 694.0 (1051.5, 806.0, 280.2 with ptxas;
   scripts/jax012_ab.sh)."""
   _K = _kernel()
-  n_blocks = n // BLOCK
+  n_blocks = cdiv(n, BLOCK)  # 128-column tiles, the last one partial where N % 128
   wide_tiles = cdiv(m, 128) * n_blocks  # 128x128
   fill_128 = _row_fill(m, 128)
   # 64x128 tiles split in N (twice the 128x128 tiles): where those leave SMs idle, and without the register split
@@ -184,6 +184,15 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: i
 
 def unavailable(device: _platform.Device, interpret: bool) -> str | None:
   return _platform.unavailable_reason("the Mosaic GPU GEMM", device, interpret, hopper=True, module=KERNEL_MODULE)
+
+
+def not_default(problem) -> str | None:
+  """Why the default dispatch passes over this kernel for a problem it can run (None: it does not): a partial last
+  column tile (N % 128) has run interpreted and lowered for sm_90, not yet on a GPU; implementation="mosaic" runs it."""
+  if problem.n % BLOCK:
+    return (f"N={problem.n} leaves a partial last column tile, which the Mosaic kernel has run interpreted and "
+            f"lowered but not on a GPU (implementation='mosaic' asks for it)")
+  return None
 
 
 def unsupported(problem) -> str | None:

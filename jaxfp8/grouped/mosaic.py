@@ -129,12 +129,16 @@ def unavailable(device: _platform.Device, interpret: bool) -> str | None:
                                       module=KERNEL_MODULE)
 
 
+# The dense kernel's rule: the same partial-column-tile epilogue, untimed alike.
+not_default = dense.not_default
+
+
 def unsupported(problem) -> str | None:
   if tuple(problem.block_size) != (BLOCK, BLOCK):
     return f"it implements block_size=(128, 128) only, got {tuple(problem.block_size)}"
   problems = []
-  if problem.n % BLOCK:
-    problems.append(f"N={problem.n} must be a multiple of {BLOCK}")
+  if problem.n % 8:
+    problems.append(f"N={problem.n} must be a multiple of 8 (the output rows' TMA stride)")
   if problem.k % BLOCK:
     problems.append(f"K={problem.k} must be a multiple of {BLOCK}")
   return "; ".join(problems) or None
@@ -195,3 +199,33 @@ def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device:
   return f(a_q, b_q, _column_major(a_s, problem.rows, problem.a_s_column_major), b_s, None if prepared else counts,
            out_dtype=problem.out_dtype, config=config, num_sms=device.num_sms,
            zero_unowned_rows=problem.zero_unowned_rows, items=items, interpret=interpret)
+
+
+# ---- gate_up with the SiLU-and-mul quantizer in its epilogue (the MoE layer's) ---------------------------------------
+
+def silu_quant_unsupported(problem, config, h_dtype) -> str | None:
+  """Why this gate_up problem and config cannot take the SiLU-and-mul quantizer into their epilogue (None: they
+  can): the ragged layout leaving the rows no group owns unwritten, and the 64x256 tile whose two consumers hold a
+  gate and an up block of the same 128 columns."""
+  problems = []
+  if problem.layout != "ragged" or problem.zero_unowned_rows:
+    problems.append(f"the fused epilogue takes the ragged layout without zero rows, got {problem.layout} with "
+                    f"zero_unowned_rows={problem.zero_unowned_rows}")
+  problems += _kernel().silu_quant_problems(silu_quant_fit(config, h_dtype, problem.k), problem.n, h_dtype)
+  return "; ".join(problems) or None
+
+
+def silu_quant_fit(config, h_dtype, k: int):
+  K = _kernel()
+  return K.fit_smem(config, k, lambda c: K.silu_quant_smem_bytes(c, h_dtype))
+
+
+def launch_gate_up_silu_quant(a_q, b_q, a_s, b_s, items, problem, config, h_dtype, eps: float, interpret: bool,
+                              device: _platform.Device):
+  """(codes (M, I) fp8, column-major scales (I/128, round_up(M, 64)) float32) of SiLU(gate) * up of each row's h,
+  from a `prepare_from_starts` table whose groups start at multiples of the row tile."""
+  q, s = _kernel().gate_up_silu_quant(
+      a_q[None], b_q, _column_major(a_s, problem.rows, problem.a_s_column_major)[None], b_s, items,
+      out_rows=problem.rows, h_dtype=h_dtype, eps=eps, config=silu_quant_fit(config, h_dtype, problem.k),
+      num_sms=device.num_sms, interpret=interpret)
+  return q[0], s[0]

@@ -79,7 +79,7 @@ def _default(p: GroupedProblem, device: _platform.Device, interpret: bool) -> tu
   if device.capability is None:
     return "xla", f"no NVIDIA GPU (device {device.describe()}): XLA"
   if device.is_hopper:
-    why = mosaic.unavailable(device, interpret) or mosaic.unsupported(p)
+    why = mosaic.unavailable(device, interpret) or mosaic.unsupported(p) or mosaic.not_default(p)
     if why is None:
       return "mosaic", (f"Hopper GPU {device.describe()}, N and K multiples of 128, block_size (128, 128): the "
                         "Mosaic GPU kernel")
@@ -159,3 +159,24 @@ def run(a_q, b_q, a_s, b_s, counts, *, plan: GroupedPlan, prepared: bool = False
     return jnp.zeros(p.out_shape, p.out_dtype)  # an empty sum is 0
   return BACKENDS[plan.implementation].launch(a_q, b_q, a_s, b_s, counts, p, plan.config, plan.interpret,
                                               plan.device or _platform.device(), prepared=prepared)
+
+
+def silu_quant_unsupported(plan: GroupedPlan, h_dtype) -> str | None:
+  """Why `plan` (an MoE layer's gate_up on a [gate | up] weight) cannot compute SiLU(gate) * up quantized in its
+  epilogue (`run_gate_up_silu_quant`); None: it can."""
+  if plan.implementation != "mosaic":
+    return f"the {plan.implementation} grouped GEMM has no fused epilogue (the Mosaic kernel's only)"
+  if plan.problem.empty:
+    return "an empty problem"
+  return mosaic.silu_quant_unsupported(plan.problem, plan.config, h_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "h_dtype", "eps"))
+def run_gate_up_silu_quant(a_q, b_q, a_s, b_s, table, *, plan: GroupedPlan, h_dtype, eps: float):
+  """The gate_up GEMM of `plan` on a [gate | up] weight b_q (E, 2I, K) with docs/CONTRACT.md §1's SiLU-and-mul
+  quantizer (group size 128, float scales, eps) in its epilogue: (codes (M, I) fp8, column-major scales (I/128, M')
+  float32, M' = round_up(M, 64)); h itself (rounded to h_dtype before it is quantized, §8) is never written. table:
+  `prepare_from_starts` with each group's rows from a multiple of the plan's row tile, so that no row tile holds two
+  groups' rows (`silu_quant_unsupported(plan, h_dtype)` must be None)."""
+  return mosaic.launch_gate_up_silu_quant(a_q, b_q, a_s, b_s, table, plan.problem, plan.config, jnp.dtype(h_dtype),
+                                          eps, plan.interpret, plan.device or _platform.device())

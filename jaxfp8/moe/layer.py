@@ -6,6 +6,7 @@
     permute     each live row's token codes and scales gathered into expert order
     gate_up     the first grouped GEMM
     silu_quant  the fused SiLU-and-mul quantizer over the live rows
+    (gate_up_silu_quant: both in one kernel, the quantizer in the GEMM's epilogue, where the plan says so)
     down        the second grouped GEMM (float32 out)
     combine     each token's k result rows gathered back through the inverse order and summed in slot order
 
@@ -34,7 +35,8 @@ from jaxfp8.moe import permute as permute_rows
 from jaxfp8.moe import routing
 
 STEPS = ("dispatch", "quantize", "permute", "gate_up", "silu_quant", "down", "combine")
-GEMM_STEPS = ("gate_up", "down")
+FUSED_STEPS = ("dispatch", "quantize", "permute", "gate_up_silu_quant", "down", "combine")
+GEMM_STEPS = ("gate_up", "gate_up_silu_quant", "down")
 # The largest (E + 1) x R running-count table dispatch builds (int32: 256 MiB); past it a stable argsort.
 COUNTING_MAX_ENTRIES = 1 << 26
 
@@ -174,6 +176,18 @@ def silu_quant(h: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
   return h_q[0], h_s[0]
 
 
+def steps(plan) -> tuple[str, ...]:
+  """The names of the steps `plan` runs, in order."""
+  return FUSED_STEPS if plan.fused_silu_quant else STEPS
+
+
+def gate_up_silu_quant(a_q, a_s, d: Dispatch, w13_q, w13_s, plan) -> tuple[jax.Array, jax.Array]:
+  """gate_up with silu_quant in its epilogue (plan.fused_silu_quant): codes (B, I) and column-major scales
+  (I/G, B'), B' >= B; rows of no expert unspecified."""
+  return grouped.planner.run_gate_up_silu_quant(a_q, w13_q, a_s, w13_s, d.tables[0], plan=plan.gate_up,
+                                                h_dtype=plan.quant_h.problem.dtype, eps=plan.quant_h.problem.eps)
+
+
 def down(h_q, h_s, d: Dispatch, w2_q, w2_s, plan) -> jax.Array:
   """y (B, H) float32: each expert's rows against its down weight; rows of no expert unwritten."""
   return _grouped(h_q, w2_q, h_s, w2_s, d, 1, plan.down)
@@ -205,8 +219,11 @@ def _apart(*values):
 def experts_on_rows(x_q, x_s, slots_per_row: int, d: Dispatch, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Array:
   """permute, gate_up, silu_quant, down: y (R, H) float32 in expert order, its rows past `live` unspecified."""
   a_q, a_s = _apart(*permute(x_q, x_s, slots_per_row, d, plan))
-  h = _apart(gate_up(a_q, a_s, d, w13_q, w13_s, plan))
-  h_q, h_s = _apart(*silu_quant(h, d, plan))
+  if plan.fused_silu_quant:
+    h_q, h_s = _apart(*gate_up_silu_quant(a_q, a_s, d, w13_q, w13_s, plan))
+  else:
+    h = _apart(gate_up(a_q, a_s, d, w13_q, w13_s, plan))
+    h_q, h_s = _apart(*silu_quant(h, d, plan))
   return _apart(down(h_q, h_s, d, w2_q, w2_s, plan))
 
 

@@ -24,6 +24,9 @@ PACKED_ROWS_REASON = ("packed, each expert's rows right after the previous one's
 ALIGNED_ROWS_REASON = ("each expert's first row at a multiple of {align} in a buffer of {rows} rows (the persistent "
                        "schedule's {align}-row work items then never hold two experts' rows, so no row tile is "
                        "computed twice; from {align} routed rows per expert)")
+FUSED_SILU_QUANT_REASON = ("in gate_up's epilogue: each 64x256 tile holds a gate and an up block of the same 128 "
+                           "columns, so h is quantized where it is computed and never written (each expert's rows "
+                           "start at a row tile: no tile holds two experts' rows)")
 LAYOUT_REASON = ("ragged: the rows sorted by expert, one grouped GEMM per projection (the masked layout has not been "
                  "measured faster on a GPU yet)")
 
@@ -35,8 +38,13 @@ class MoeOptions:
   quant_implementation: str | None = None
   interpret: bool | None = None
   combine_implementation: str | None = None  # None: XLA's (jaxfp8/moe/combine.py)
+  # True: the SiLU-and-mul quantizer in gate_up's epilogue wherever the plan allows it (False or None: a step of its
+  # own; opt-in until the fused kernel has its GPU checks and times, WORKSPACE.md)
+  silu_quant_in_gate_up: bool | None = None
 
   def __post_init__(self):
+    if self.silu_quant_in_gate_up not in (None, True, False):
+      raise ValueError(f"silu_quant_in_gate_up must be True, False or None, got {self.silu_quant_in_gate_up!r}")
     _checks.one_of("implementation", self.implementation, grouped.IMPLEMENTATIONS)
     _checks.one_of("quant_implementation", self.quant_implementation, quant.IMPLEMENTATIONS)
     _checks.one_of("combine_implementation", self.combine_implementation, combine.IMPLEMENTATIONS)
@@ -64,6 +72,9 @@ class MoePlan:
   # Each expert's first row sits at a multiple of row_align in the GEMMs' buffer (1: the rows are packed).
   row_align: int = 1
   row_align_reason: str = ""
+  # True: gate_up computes the SiLU-and-mul quantizer in its epilogue (quant_h is not run); why either way.
+  fused_silu_quant: bool = False
+  silu_quant_reason: str = ""
 
   @property
   def rows(self) -> int:
@@ -86,7 +97,7 @@ class MoePlan:
         f"  tokens quantized: {self.quant_x}",
         f"  permute: {self.permute}",
         f"  gate_up: {self.gate_up}",
-        f"  SiLU-and-mul quantized: {self.quant_h}",
+        f"  SiLU-and-mul quantized: {self.silu_quant_reason or self.quant_h}",
         f"  down: {self.down}",
         f"  combine: {self.combine}"])
 
@@ -149,8 +160,30 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   quant_x = quant_plan(tokens, hidden, False, True)
   # h's rows past the live ones are read by nothing (the down GEMM neither computes nor stores them)
   quant_h = quant_plan(rows, 2 * intermediate, True, False)
+  fused, silu_quant_reason = _silu_quant_in_gate_up(gate_up, row_align, x_dtype, quant_h,
+                                                    options.silu_quant_in_gate_up)
   return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name, quant_x, gate_up,
                  quant_h, down,
                  permute.plan(implementation, hidden, device, interpret),
                  combine.plan(options.combine_implementation, tokens, top_k, hidden, x_dtype, device, interpret),
-                 row_align=row_align, row_align_reason=row_align_reason)
+                 row_align=row_align, row_align_reason=row_align_reason, fused_silu_quant=fused,
+                 silu_quant_reason=silu_quant_reason)
+
+
+def _silu_quant_in_gate_up(gate_up: grouped.GroupedPlan, row_align: int, x_dtype, quant_h: quant.QuantPlan,
+                           asked: bool | None):
+  """(whether gate_up computes the SiLU-and-mul quantizer in its epilogue, why). Only where asked for; it needs
+  each row tile of the buffer to hold one expert's rows (the epilogue stores a tile's scales whole) and a kernel
+  config that pairs gate and up blocks."""
+  p = quant_h.problem
+  if not asked:
+    why = "not asked for (MoeOptions.silu_quant_in_gate_up=True fuses it where the plan allows)"
+  elif p.scale_ue8m0 or p.group_size != grouped.mosaic.BLOCK:
+    why = f"the fused epilogue writes float scales of 128-column groups, not {p}"
+  elif gate_up.implementation == "mosaic" and row_align != gate_up.config.tile_m:
+    why = "packed expert rows (a row tile may hold two experts' rows, whose scales one tile store would mix)"
+  else:
+    why = grouped.planner.silu_quant_unsupported(gate_up, x_dtype)
+  if why is None:
+    return True, FUSED_SILU_QUANT_REASON
+  return False, f"{quant_h} (not in gate_up's epilogue: {why})"

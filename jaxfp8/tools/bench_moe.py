@@ -13,8 +13,11 @@ Rows, per layer and token count T (--tokens):
         on the previous steps' outputs: route (the gate's logits and the router), sort (the routed slots in expert
         order), quantize (the tokens, once), permute (the gathered rows' codes and scales), gate_up, silu_quant (the
         fused SiLU-and-mul quantizer), down, combine (the weighted sum back in token order)
-  "steps_summed" (summary) their sum, with non_gemm_share = (sum - gate_up - down) / sum
-  "layer" (ours)   route + `jaxfp8.moe.fp8_moe` in one jit: what a model runs
+  "steps_summed" (summary) their sum, with non_gemm_share = (sum - gate_up - down) / sum; where the plan puts the
+        quantizer in gate_up's epilogue, one step gate_up_silu_quant stands for gate_up and silu_quant, and the two
+        unfused kernels are timed after it on its inputs (gate_up_unfused, silu_quant_unfused, not summed)
+  "layer" (ours)   route + `jaxfp8.moe.fp8_moe` in one jit: what a model runs; "layer_fused" (ours) the same with
+        silu_quant_in_gate_up=True, where the plan then fuses (the steps are that plan's)
   "ragged_dot_bf16", "pallas_ragged_bf16" (baselines)   route + the same layer on bf16 weights (dequantized once,
         outside the timing): sort, gather, gate_up, SiLU-and-mul, down, combine, on `jax.lax.ragged_dot` or, on a
         Hopper GPU, JAX's Pallas Mosaic GPU ragged dot (its fastest of PALLAS_CONFIGS)
@@ -95,15 +98,24 @@ def layer_steps(plan: moe_planner.MoePlan, route: Callable) -> tuple[Step, ...]:
       Step("quantize", jax.jit(lambda x: moe_layer.quantize(x, plan)), ("x",), ("x_q", "x_s")),
       Step("permute", jax.jit(lambda x_q, x_s, d: moe_layer.permute(x_q, x_s, plan.top_k, d, plan)),
            ("x_q", "x_s", "d"), ("a_q", "a_s")),
-      Step("gate_up", jax.jit(lambda a_q, a_s, d, w, s: moe_layer.gate_up(a_q, a_s, d, w, s, plan)),
-           ("a_q", "a_s", "d", "w13_q", "w13_s"), ("h",), gemm=True),
-      Step("silu_quant", jax.jit(lambda h, d: moe_layer.silu_quant(h, d, plan)), ("h", "d"), ("h_q", "h_s")),
+      *(_gate_up_steps(plan) if not plan.fused_silu_quant else (
+          Step("gate_up_silu_quant",
+               jax.jit(lambda a_q, a_s, d, w, s: moe_layer.gate_up_silu_quant(a_q, a_s, d, w, s, plan)),
+               ("a_q", "a_s", "d", "w13_q", "w13_s"), ("h_q", "h_s"), gemm=True),)),
       Step("down", jax.jit(lambda h_q, h_s, d, w, s: moe_layer.down(h_q, h_s, d, w, s, plan)),
            ("h_q", "h_s", "d", "w2_q", "w2_s"), ("y",), gemm=True),
       Step("combine", jax.jit(combine), ("y", "d", "ids", "weights"), ("out",)),
   )
-  assert tuple(step.name for step in steps[1:]) == moe_layer.STEPS
+  assert tuple(step.name for step in steps[1:]) == moe_layer.steps(plan)
   return steps
+
+
+def _gate_up_steps(plan, suffix: str = "") -> tuple[Step, Step]:
+  """gate_up, then the SiLU-and-mul quantizer, as two steps (outputs named with `suffix`)."""
+  return (Step("gate_up" + suffix, jax.jit(lambda a_q, a_s, d, w, s: moe_layer.gate_up(a_q, a_s, d, w, s, plan)),
+               ("a_q", "a_s", "d", "w13_q", "w13_s"), ("h" + suffix,), gemm=True),
+          Step("silu_quant" + suffix, jax.jit(lambda h, d: moe_layer.silu_quant(h, d, plan)), ("h" + suffix, "d"),
+               ("h_q" + suffix, "h_s" + suffix)))
 
 
 def run_steps(steps: Sequence[Step], values: dict, time_us: Callable) -> list[tuple[Step, object]]:
@@ -268,6 +280,10 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     local = np.flatnonzero(((ids >= 0) & (ids < layer.experts)).any(axis=-1))
     pick = rng.choice(local if local.size >= min(4, t) else t, min(4, t), replace=False)
     plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16)
+    # The steps on the plan with the SiLU-and-mul quantizer in gate_up's epilogue where it allows it (the opt-in
+    # that these times decide on), the unfused pair timed beside it.
+    fused_plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK,
+                                  jnp.bfloat16, moe_planner.MoeOptions(silu_quant_in_gate_up=True))
 
     def record(contender, role, **fields):
       row = dict(base, contender=contender, role=role, **fields)
@@ -279,8 +295,12 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     fp8_want = _fp8_reference(values, pick)
     if "layer" in implementations:
       _time_layer(plan, route, values, (fp8_want, pick), time_us, counts, record)
+      if fused_plan.fused_silu_quant:
+        _time_layer(fused_plan, route, values, (fp8_want, pick), time_us, counts, record, "layer_fused")
     if "steps" in implementations:
-      _time_steps(layer_steps(plan, route), values, (fp8_want, pick), time_us, counts, record)
+      _time_steps(layer_steps(fused_plan, route), values, (fp8_want, pick), time_us, counts, record)
+      if fused_plan.fused_silu_quant and "h_q" in values:
+        _time_unfused(fused_plan, values, time_us, record)
       if _platform.is_hopper() and "out" in values:
         _time_other_combine(layer, plan, t, values, time_us, record)
     baselines = [b for b in ("ragged_dot_bf16", "pallas_ragged_bf16") if b in implementations]
@@ -293,16 +313,19 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
   return rows
 
 
-def _time_layer(plan, route, values, check, time_us, counts, record) -> None:
-  fn = jax.jit(lambda x, gw, b, *w: moe.fp8_moe(x, *route(x, gw, b), *w))
+def _time_layer(plan, route, values, check, time_us, counts, record, contender: str = "layer") -> None:
+  """The layer in one jit as `fp8_moe` runs it (contender "layer_fused": asked for the SiLU-and-mul quantizer in
+  gate_up's epilogue, which `plan` has)."""
+  fuse = contender == "layer_fused"
+  fn = jax.jit(lambda x, gw, b, *w: moe.fp8_moe(x, *route(x, gw, b), *w, silu_quant_in_gate_up=fuse))
   args = tuple(values[name] for name in ("x", "gate_weight", "bias", "w13_q", "w13_s", "w2_q", "w2_s"))
   try:
     checked = _check(fn(*args), *check)
     us, kernels = time_us(fn, [args])
-    record("layer", "ours", us=us, flops=counts["flops"], bytes=counts["bytes"], plan=str(plan),
+    record(contender, "ours", us=us, flops=counts["flops"], bytes=counts["bytes"], plan=str(plan),
            **bench_report.kernel_fields(kernels), **checked)
   except Exception as e:  # a failing contender is reported, not fatal for the others
-    record("layer", "ours", error=f"{type(e).__name__}: {str(e)[:300]}")
+    record(contender, "ours", error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def _time_steps(steps, values, check, time_us, counts, record) -> None:
@@ -318,6 +341,26 @@ def _time_steps(steps, values, check, time_us, counts, record) -> None:
     gemm_us += us if step.gemm else 0.0
     record(step.name, "part", us=us, step=True, **bench_report.kernel_fields(kernels), **counts.get(step.name, {}))
   record("steps_summed", "summary", us=total, non_gemm_share=(total - gemm_us) / total, **_check(values["out"], *check))
+
+
+def _time_unfused(plan, values, time_us, record) -> None:
+  """gate_up and the SiLU-and-mul quantizer as two kernels again (the plan without the fused epilogue), on the fused
+  step's inputs: their times ("gate_up_unfused", "silu_quant_unfused", not in the steps' sum) and the share of the
+  live rows whose codes and scales equal the fused step's (one math library's exp in both: all of them expected)."""
+  unfused = dataclasses.replace(plan, fused_silu_quant=False)
+  try:
+    timed = run_steps(_gate_up_steps(unfused, "_unfused"), values, time_us)
+  except Exception as e:  # reported beside the others, not fatal
+    record("gate_up_unfused", "part", error=f"{type(e).__name__}: {str(e)[:300]}")
+    return
+  ids = np.asarray(values["ids"]).reshape(-1)
+  live = np.asarray(values["d"].rank)[(ids >= 0) & (ids < plan.experts)]  # the buffer rows of the local slots
+  codes = [np.asarray(values[name])[live].view(np.uint8) for name in ("h_q", "h_q_unfused")]
+  scales = [np.asarray(values[name])[:, live] for name in ("h_s", "h_s_unfused")]
+  same = dict(same_codes=float(np.mean(codes[0] == codes[1])) if live.size else 1.0,
+              same_scales=float(np.mean(scales[0] == scales[1])) if live.size else 1.0)
+  for step, (us, kernels) in timed:
+    record(step.name, "part", us=us, step=True, **bench_report.kernel_fields(kernels), **same)
 
 
 def _time_other_combine(layer: Layer, plan, t: int, values, time_us, record) -> None:
@@ -371,6 +414,8 @@ def format_row(row: dict) -> str:
     extras.append(f"x{row['x_weight_stream']:.2f} weight stream ({row['weight_stream_us']:.1f} us)")
   if "non_gemm_share" in row:
     extras.append(f"non-GEMM {row['non_gemm_share']:.0%}")
+  if "same_codes" in row:
+    extras.append(f"as fused: codes {row['same_codes']:.4%}, scales {row['same_scales']:.4%}")
   return f"{head} {row['us']:10.1f} us  " + "  ".join(extras)
 
 
@@ -381,11 +426,13 @@ def summary_table(rows: list[dict]) -> str:
   by_key: dict = {}
   for r in rows:
     by_key.setdefault((r["shape"], r["m"]), {})[r["implementation"]] = r
-  lines = ["MoE layer step by step (us): each step jitted alone; non-GEMM = the steps other than gate_up and down, "
-           "as a share of their sum; weight stream = the bytes of the experts that received rows / 4.3 TB/s.", "",
+  lines = ["MoE layer step by step (us): each step jitted alone; non-GEMM = the steps other than gate_up (with the "
+           "SiLU-and-mul quantizer in its epilogue where the plan fuses them: gate_up_silu_quant) and down, as a share "
+           "of their sum (the *_unfused columns: the two kernels the fused step replaces, timed on its inputs, not "
+           "in the sum); weight stream = the bytes of the experts that received rows / 4.3 TB/s.", "",
            "| layer | T | local rows | experts with rows | " + " | ".join(steps) +
-           " | steps summed | non-GEMM | weight stream us | layer (x weight stream) | ragged_dot bf16 | Pallas bf16 |"
-           " layer rel err |", "|---|---|---|---|" + "---|" * (len(steps) + 7)]
+           " | steps summed | non-GEMM | weight stream us | layer (x weight stream) | layer fused | ragged_dot bf16 |"
+           " Pallas bf16 | layer rel err |", "|---|---|---|---|" + "---|" * (len(steps) + 8)]
   for (shape, t), cells in by_key.items():
     any_row = next(iter(cells.values()))
     summed = cells.get("steps_summed", {})
@@ -396,6 +443,7 @@ def summary_table(rows: list[dict]) -> str:
                  f" | {bench_report.cell_us(cells.get('steps_summed'))} | {share} | "
                  f"{any_row['weight_stream_us']:.1f} | "
                  f"{bench_report.cell_us(cells.get('layer'), 'x_weight_stream')} | "
+                 f"{bench_report.cell_us(cells.get('layer_fused'), 'x_weight_stream')} | "
                  f"{bench_report.cell_us(cells.get('ragged_dot_bf16'))} | "
                  f"{bench_report.cell_us(cells.get('pallas_ragged_bf16'))} | {err} |")
   return "\n".join(lines) + "\n"
