@@ -37,7 +37,9 @@ With k_blocks_per_step = 2 a sub-tile issues the wgmmas of both K blocks before 
 runs on the tensor cores while the first is scaled.
 
 Rows past M (a partial last row tile, or M < tile_m in decode) are zero-filled by TMA on the way in and clipped by TMA
-on the way out, so any M works; N % 128 == 0 and K % 128 == 0 are required (the launcher rejects anything else, so
+on the way out, so any M works; columns past N likewise (the weight's rows past N read as zeros, the last block's
+b_s clamped, the bias padded with zeros where a sub-tile straddles N), so N only needs to be a multiple of 8 (the output's rows,
+whose TMA strides are multiples of 16 bytes). K % 128 == 0 is required (the launcher rejects anything else, so
 callers fall back to the portable kernel). One wrinkle: Mosaic GPU describes the TMA of a swizzled (8, 128)-tiled SMEM
 tile as a copy from an (8, 128)-tiled view of the whole GMEM array, which exists only when M % 8 == 0 or M < 8. For
 other M the launcher pads a_q with zero rows up to a multiple of 8 (one extra XLA copy of a_q: quantize with
@@ -94,14 +96,13 @@ def _epilogue(accs, slots, out_gmem, bias_gmem, live_rows, row0, col0, cfg: Mosa
 
   accs: the (64, sub_n) sub-tile accumulators; slots: this warpgroup's (2, 64, epi_n) epilogue buffers.
   """
-  n = out_gmem.shape[1]
   sub_n, epi_n = cfg.sub_n, cfg.epi_n(out_gmem.dtype)
 
   def finish(acc, i, j):
     if bias_gmem is not None:
-      # A sub-tile lies wholly inside or wholly past N (N % 128 == 0, and N % tile_n == 0 for the widths that scale
-      # per column); clamping keeps the load of one past N in bounds.
-      start = jnp.minimum(col0 + j * sub_n, n - sub_n)
+      # A sub-tile lies wholly inside or wholly past the bias (the launcher pads it where one straddles N);
+      # clamping keeps the load of one past it in bounds.
+      start = jnp.minimum(col0 + j * sub_n, bias_gmem.shape[0] - sub_n)
       bias = plgpu.load(bias_gmem.at[pl.ds(start, sub_n)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
       acc = acc + lax.broadcast_in_dim(bias.astype(jnp.float32), acc.shape, [1])
     return live_rows_only(acc, live_rows, row0 + i * WGMMA_M).astype(out_gmem.dtype)
@@ -125,7 +126,7 @@ def _tile_store(out_gmem, row0, col0, cfg: MosaicGemmConfig):
 def _simple_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, out_smem, *, cfg: MosaicGemmConfig):
   k = a_gmem.shape[1]
   n = b_gmem.shape[0]
-  num_k_blocks, num_n_blocks = k // BLOCK, n // BLOCK
+  num_k_blocks, num_n_blocks = k // BLOCK, pl.cdiv(n, BLOCK)
   n_idx = lax.axis_index("n")
   m_idx = lax.axis_index("m")
 
@@ -198,7 +199,7 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, live_gmem, out_gmem,
     tile_loop(cfg, shape, pair, live_loop_rows)
 
   warp_specialized(cfg, (a_gmem, b_gmem, as_gmem), slots_type, body, num_k_blocks=k // BLOCK,
-                   num_n_blocks=n // BLOCK)
+                   num_n_blocks=pl.cdiv(n, BLOCK))
 
 
 def _loop_shape(cfg: MosaicGemmConfig, m_iters: int, n_iters: int) -> tuple[int, int]:
@@ -221,8 +222,8 @@ def tma_rows_ok(rows: int) -> bool:
 def shape_problems(n: int, k: int) -> list[str]:
   """What this kernel cannot do about a (N, K) weight (empty: nothing). Any M >= 1 works."""
   problems = []
-  if n % BLOCK or n == 0:
-    problems.append(f"N={n} must be a positive multiple of {BLOCK}")
+  if n % 8 or n == 0:
+    problems.append(f"N={n} must be a positive multiple of 8 (the output rows' TMA stride)")
   if k % BLOCK or k == 0:
     problems.append(f"K={k} must be a positive multiple of {BLOCK}")
   return problems
@@ -256,7 +257,7 @@ def block_fp8_matmul(
   """C = a_q @ b_q.T with (1, 128) activation and (128, 128) weight block scales; see the module docstring.
 
   a_q (M, K) e4m3fn; b_q (N, K) e4m3fn; a_s_col (K // 128, M') float32 column-major, M' >= M, M' % 4 == 0;
-  b_s (N // 128, K // 128) float32; bias (N,) float32 or out_dtype. Returns (M, N) out_dtype.
+  b_s (ceil(N / 128), K // 128) float32; bias (N,) float32 or out_dtype. Returns (M, N) out_dtype.
   out_rows: output only the first out_rows rows (M above is then out_rows): the rows of a_q past them are padding
   (e.g. the quantizer's zero rows up to a whole 64-row tile), read as they are instead of as TMA zero fill.
   live_rows: an int32 scalar (traced or not, clipped to [0, M]): the rows from it on come out 0 and their row tiles
@@ -272,6 +273,8 @@ def block_fp8_matmul(
   m_iters, n_iters = pl.cdiv(m, config.tile_m), pl.cdiv(n, config.tile_n)
   out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
   interpret_params: Any = plgpu.InterpretGPUParams() if interpret else None
+  if bias is not None and n % config.sub_n:  # a sub-tile straddles N; the epilogue loads its bias whole
+    bias = jnp.pad(bias, (0, n_iters * config.tile_n - n))  # zeros past N (columns TMA does not store)
   args = (a_q, b_q, a_s_col, b_s) + ((bias,) if bias is not None else ())
 
   if not config.warp_specialized:

@@ -417,7 +417,8 @@ def test_default_implementation_on_cpu_is_xla():
     ((9, 0), 20, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 4096, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 23, 256, 256, (128, 128), "mosaic"),    # any M (the launcher pads a_q's TMA view, the scales' columns)
-    ((9, 0), 20, 200, 256, (128, 128), "triton"),    # N tail
+    ((9, 0), 20, 200, 256, (128, 128), "triton"),    # N tail: Mosaic runs it when asked, untimed so not by default
+    ((9, 0), 20, 196, 256, (128, 128), "triton"),    # N % 8 != 0: no Mosaic kernel
     ((9, 0), 20, 256, 256, (64, 64), "triton"),
     ((8, 9), 8, 256, 256, (128, 128), "triton"),
     ((9, 0), 8, 256, 256, (128, 16), "xla"),         # gk = 16: no Triton dot is narrow enough
@@ -512,7 +513,9 @@ def test_a_triton_config_no_kernel_can_build_is_refused_when_made(kwargs, match)
     (dict(implementation="xla", config=_cfg(16, 64, 128)), ValueError, "config applies to"),
     (dict(implementation="triton", config=dict(block_m=16)), TypeError, "must be a TritonGemmConfig"),
     (dict(implementation="triton", config=_cfg(16, 64, 16), interpret=True), ValueError, "8-bit MMAs need"),
-    (dict(implementation="mosaic", interpret=True), ValueError, "N=200 must be a positive multiple of 128"),
+    (dict(implementation="mosaic", interpret=True), ValueError, "K=300 must be a positive multiple of 128"),
+    (dict(b_q=np.ones((196, 300), ref.FP8), implementation="mosaic", interpret=True), ValueError,
+     "N=196 must be a positive multiple of 8"),
 ])
 def test_validation_errors(change, error, match):
   args = {**_valid_args(), **change}

@@ -120,8 +120,8 @@ def _quantized_problem(rng, m: int, n: int, k: int, *, extra_scale_cols: int = 0
     pad = np.full((a_s.shape[0], extra_scale_cols), scale_pad_value, np.float32)
     a_s = np.concatenate([a_s, pad], axis=1)
   w = rng.standard_normal((n, k)).astype(np.float32)
-  w_scales = 10.0 ** rng.uniform(-decades, decades, (n // 128, k // 128))
-  w *= np.repeat(np.repeat(w_scales, 128, 0), 128, 1).astype(np.float32)
+  w_scales = 10.0 ** rng.uniform(-decades, decades, (-(-n // 128), k // 128))
+  w *= np.repeat(np.repeat(w_scales, 128, 0), 128, 1)[:n].astype(np.float32)
   b_q, b_s = ref.quantize_weight_blockwise(w)
   return a_q, b_q, a_s, b_s
 
@@ -271,7 +271,7 @@ def _check_exact_small_integers(rng, config, m, n, k, max_b_s_exponent=2):
   a_q = rng.integers(-4, 5, (m, k)).astype(np.float32).astype(ref.FP8)
   b_q = rng.integers(-4, 5, (n, k)).astype(np.float32).astype(ref.FP8)
   a_s = (2.0 ** rng.integers(-2, 3, (k // 128, -(-m // 4) * 4))).astype(np.float32)
-  b_s = (2.0 ** rng.integers(-max_b_s_exponent, max_b_s_exponent + 1, (n // 128, k // 128))).astype(np.float32)
+  b_s = (2.0 ** rng.integers(-max_b_s_exponent, max_b_s_exponent + 1, (-(-n // 128), k // 128))).astype(np.float32)
   out = _run(a_q, b_q, a_s, b_s, config=config)
   expect = ref.cast_output(ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True), jnp.float32)
   np.testing.assert_array_equal(out, expect)
@@ -283,6 +283,26 @@ def test_scale_columns_past_m_are_ignored(rng, kind):
   a_q, b_q, a_s, b_s = _quantized_problem(rng, 8, 256, 256, extra_scale_cols=8, scale_pad_value=np.nan)
   assert a_s.shape[1] == 16
   _check(_run(a_q, b_q, a_s, b_s, config=KINDS[kind]), a_q, b_q, a_s, b_s, jnp.float32)
+
+
+@pytest.mark.parametrize("kind", ["ws1_64x64", "ws1_64x128_k2_ahead", "ws2_m_128x128", "ws2_n_128x256",
+                                  "simple_128x256"])
+@pytest.mark.parametrize("n", [200, 576])
+def test_column_tails(rng, kind, n):
+  """N not a multiple of 128 (DeepSeek-V3's kv_a_proj_with_mqa has 576 columns; 200 leaves a 72-column block): the
+  last column tile partial, its weight rows read as zeros, the last block's scale its own, the bias padded; every
+  column written (the interpreter's NaN fill shows any that is not), with the bias, in bfloat16."""
+  m, k = 70, 256
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k)
+  bias = (rng.standard_normal(n) * 10).astype(np.float32)
+  out = _run(a_q, b_q, a_s, b_s, config=KINDS[kind], out_dtype=jnp.bfloat16, bias=bias)
+  _check(out, a_q, b_q, a_s, b_s, jnp.bfloat16, bias=bias)
+
+
+@pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_n_128x256"])
+def test_column_tails_exact_small_integers(rng, kind):
+  # The partial block takes exactly its own scale (scales 2^-6..2^6, so that a neighbour's shows).
+  _check_exact_small_integers(rng, KINDS[kind], 70, 200, 256, max_b_s_exponent=6)
 
 
 def test_any_m(rng):
@@ -344,7 +364,7 @@ def _args(m=8, n=256, k=384, m_cols=None):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda a: (a[0], a[1][:200], a[2], a[3]), "N=200 must be a positive multiple of 128"),
+    (lambda a: (a[0], a[1][:196], a[2], a[3][:2]), "N=196 must be a positive multiple of 8"),
     (lambda a: (a[0][:, :200], a[1][:, :200], a[2][:2], a[3][:, :2]), "K=200 must be a positive multiple of 128"),
     (lambda a: (a[0].astype(jnp.float8_e5m2), *a[1:]), "a_q must have dtype float8_e4m3fn"),
     (lambda a: (a[0], a[1], a[2][:, :6], a[3]), r"column-major a_s must have shape \(ceil\(K/gk\), M'\) = \(3, >= 8\)"),
@@ -425,7 +445,7 @@ def test_default_config_is_valid_everywhere():
 def _lower(m, n, k, config, out_dtype=jnp.bfloat16, with_bias=False):
   structs = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
              jax.ShapeDtypeStruct((k // 128, -(-m // 4) * 4), jnp.float32),
-             jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32)]
+             jax.ShapeDtypeStruct((-(-n // 128), k // 128), jnp.float32)]
   if with_bias:
     structs.append(jax.ShapeDtypeStruct((n,), jnp.float32))
 
@@ -442,8 +462,9 @@ def _lower(m, n, k, config, out_dtype=jnp.bfloat16, with_bias=False):
   ops = helpers.lowered_ops(text)
   free = {"custom_call", "broadcast_in_dim", "reshape"}
   assert ops["f8E4M3FN"] - free == (set() if gm.tma_rows_ok(m) else {"pad"}), (m, ops)
-  for element in ("f32", "bf16"):
-    assert ops.get(element, set()) <= free, (element, ops)
+  # and the bias's pad to whole sub-tiles where one straddles N
+  assert ops.get("f32", set()) - free == ({"pad"} if with_bias and n % config.sub_n else set()), (n, ops)
+  assert ops.get("bf16", set()) <= free, ops
 
 
 # Real shapes, including M % 8 == 4 (M = 4100, 12: the a_q padding path) and M < 8.
@@ -505,6 +526,15 @@ def test_column_kinds_lower_for_cuda(config, m, n, k, out_dtype):
   depth = max(config.max_concurrent_steps, 4)  # the CPU kinds are shallow; _fit_smem trims what does not fit
   config = mosaic_backend._fit_smem(dataclasses.replace(config, max_concurrent_steps=depth, grid_size=None), out_dtype, 1 << 20)
   _lower(m, n, k, config, out_dtype, with_bias=True)
+
+
+# DeepSeek-V3's kv_a_proj_with_mqa (576 columns) and fused_qkv_a_proj (2112), at decode, two decode tiles and prefill.
+@pytest.mark.parametrize("m,n,k", [(1, 576, 7168), (64, 2112, 7168), (100, 576, 7168), (4096, 2112, 7168),
+                                   (4100, 576, 7168)])
+def test_column_tails_lower_for_cuda(m, n, k):
+  with _platform.abstract_h200():
+    config = mosaic_backend.default_config(m, n, k, num_sms=132)
+  _lower(m, n, k, config, with_bias=True)
 
 
 def test_default_config_follows_the_measurements():
@@ -602,7 +632,7 @@ def _gpu_problem(key, m, n, k):
   a_q = jnp.clip(jax.random.normal(ka, (m, k)) * 60, -448, 448).astype(jnp.float8_e4m3fn)
   b_q = jnp.clip(jax.random.normal(kb, (n, k)) * 60, -448, 448).astype(jnp.float8_e4m3fn)
   a_s = 10.0 ** jax.random.uniform(ks, (k // 128, -(-m // 4) * 4), minval=-3, maxval=-1)
-  b_s = 10.0 ** jax.random.uniform(kt, (n // 128, k // 128), minval=-4, maxval=-2)
+  b_s = 10.0 ** jax.random.uniform(kt, (-(-n // 128), k // 128), minval=-4, maxval=-2)
   bias = jax.random.normal(kbias, (n,), jnp.float32)
   return a_q, b_q, a_s.astype(jnp.float32), b_s.astype(jnp.float32), bias
 
@@ -622,8 +652,10 @@ def _check_on_gpu(m, n, k, config, out_dtype, seed, with_bias=True):
   # Sampled rows and column blocks (first, last, random) against the float64 oracle.
   rng = np.random.default_rng(seed)
   rows = np.unique(np.concatenate([[0, m - 1], rng.integers(0, m, 14)]))
-  col_blocks = np.unique(np.concatenate([[0, n // 128 - 1], rng.integers(0, n // 128, 2)]))
+  n_blocks = -(-n // 128)  # the last one partial where N % 128
+  col_blocks = np.unique(np.concatenate([[0, n_blocks - 1], rng.integers(0, n_blocks, 2)]))
   cols = (col_blocks[:, None] * 128 + np.arange(128)[None, :]).reshape(-1)
+  cols = cols[cols < n]
   a_s_np = np.asarray(a_s)
   expect = ref.block_fp8_matmul(np.asarray(a_q)[rows], np.asarray(b_q)[cols], a_s_np[:, rows],
                                 np.asarray(b_s)[col_blocks], (128, 128), a_s_column_major=True,
@@ -648,6 +680,17 @@ def test_gpu_default_config_model_shapes(n, k, m):
   if m * n * k > 4096 * 24576 * 7168:
     pytest.skip("larger than the prefill benchmark shape")
   _check_on_gpu(m, n, k, None, jnp.bfloat16, seed=m + n + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("n,k", [(576, 7168), (2112, 7168), (200, 1536)])
+@pytest.mark.parametrize("m", [1, 64, 100, 300, 4096])
+def test_gpu_column_tails(n, k, m):
+  """N not a multiple of 128 on the default schedules: TMA's zero fill of the weight rows past N and its clipped
+  stores, whole output and sampled columns of the partial block against the references."""
+  config = mosaic_backend.default_config(m, n, k, num_sms=_platform.num_sms())
+  _check_on_gpu(m, n, k, config, jnp.bfloat16, seed=m + n)
 
 
 @pytest.mark.gpu

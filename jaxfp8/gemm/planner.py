@@ -88,8 +88,10 @@ def _default(p: GemmProblem, device: _platform.Device, interpret: bool) -> tuple
     if p.m <= TRITON_DECODE_MAX_M and triton_why is None:
       return "triton", (f"Hopper GPU {device.describe()}, decode M={p.m} <= {TRITON_DECODE_MAX_M}: the tuned Triton "
                         "kernel (measured faster than the Mosaic small-M kernel there)")
+    if mosaic_why is None and (passed_over := mosaic.not_default(p)) and triton_why is None:
+      return "triton", f"Hopper GPU {device.describe()}, but {passed_over}: the portable Triton kernel"
     if mosaic_why is None:
-      return "mosaic", (f"Hopper GPU {device.describe()}, N and K multiples of 128, block_size (128, 128): the "
+      return "mosaic", (f"Hopper GPU {device.describe()}, K a multiple of 128, block_size (128, 128): the "
                         "Mosaic GPU kernel")
     if triton_why is None:
       return "triton", (f"Hopper GPU {device.describe()}, but the Mosaic kernel cannot take this problem "
