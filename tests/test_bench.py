@@ -139,7 +139,7 @@ def test_moe_steps_of_a_fused_plan_and_the_unfused_pair_beside_them():
   from jaxfp8.moe import planner as moe_planner
   layer = bench_moe.Layer(2, 2, 256, 128, 1, "qwen3")
   plan = moe_planner.plan(256, 1, 2, 256, 128, (128, 128), jnp.bfloat16,
-                          moe_planner.MoeOptions(implementation="mosaic", interpret=True, silu_quant_in_gate_up=True))
+                          moe_planner.MoeOptions(implementation="mosaic", interpret=True))
   assert plan.fused_silu_quant, str(plan)
   route = bench_moe._route_fn(layer)
   steps = bench_moe.layer_steps(plan, route)

@@ -338,13 +338,13 @@ def test_explain_says_what_runs_and_why():
 
 @needs_mosaic
 @pytest.mark.parametrize("tokens,top_k,e,h,i", [(64, 8, 32, 7168, 2048), (4096, 8, 128, 2048, 768)])
-@pytest.mark.parametrize("fuse", [None, True])
+@pytest.mark.parametrize("fuse", [None, False])
 def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i, fuse):
   """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200 to its
   Mosaic kernels (the tokens' quantizer, the live-row gather, gate_up, the SiLU-and-mul quantizer, down, and from
   combine.MOSAIC_MIN_TOKENS tokens the combine), around them nothing copies the codes (the gather kernel moves them),
-  and gate_up's output goes to the SiLU quantizer as it is; asked for, on aligned expert rows (prefill) the quantizer
-  is in gate_up's epilogue, and no h of 2I columns exists at all."""
+  and gate_up's output goes to the SiLU quantizer as it is; unless turned off, on aligned expert rows (prefill) the
+  quantizer is in gate_up's epilogue, and no h of 2I columns exists at all."""
   from jaxfp8.moe import combine as moe_combine
   if not MOSAIC_QUANT_IMPORTABLE:
     pytest.skip("the Mosaic quantizer does not import here")
@@ -360,7 +360,7 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i, fuse):
     exported = jax.export.export(jax.jit(layer), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == (tokens, h)
   text = exported.mlir_module()
-  assert plan.fused_silu_quant == (bool(fuse) and plan.row_align == 64), str(plan)
+  assert plan.fused_silu_quant == (fuse is None and plan.row_align == 64), str(plan)
   combined = tokens >= moe_combine.MOSAIC_MIN_TOKENS
   assert plan.combine.implementation == ("mosaic" if combined else "xla"), str(plan)
   kernels = 5 + combined - plan.fused_silu_quant
@@ -402,10 +402,9 @@ def test_layer_with_aligned_expert_rows_matches_reference(rng):
   x = jnp.asarray(rng.standard_normal((160, 256)), jnp.bfloat16)
   ids, weights = _routing(rng, 160, 8, 4, empty=[5])
   args = (x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts))
-  plan = moe.explain(x, args[3], args[5], 4, implementation="mosaic", interpret=True, silu_quant_in_gate_up=True)
+  plan = moe.explain(x, args[3], args[5], 4, implementation="mosaic", interpret=True)
   assert plan.row_align == 64 and plan.fused_silu_quant and "in gate_up's epilogue" in str(plan), str(plan)
-  out = np.asarray(moe.fp8_moe(*args, implementation="mosaic", interpret=True, silu_quant_in_gate_up=True),
-                   np.float32)
+  out = np.asarray(moe.fp8_moe(*args, implementation="mosaic", interpret=True), np.float32)
   assert np.isfinite(out).all()
   assert ref.relative_error(out, _expected(x, ids, weights, experts)) <= TOL
   # The quantizer in gate_up's epilogue gives the two-kernel chain's codes and scales (both interpreted divide
@@ -422,18 +421,18 @@ def test_prefill_dispatch_starts_each_expert_at_a_row_tile():
   e, h, i, t, k = 8, 256, 128, 160, 4
   weights = jax.ShapeDtypeStruct((e, 2 * i, h), F8), jax.ShapeDtypeStruct((e, h, i), F8)
   with _platform.abstract_h200():
-    prefill = moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up=True)
-    decode = moe.explain(jax.ShapeDtypeStruct((1, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up=True)
-    default = moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k)
+    prefill = moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k)
+    decode = moe.explain(jax.ShapeDtypeStruct((1, h), jnp.bfloat16), *weights, k)
+    off = moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up=False)
   assert prefill.row_align == 64 and "multiple of 64" in str(prefill), str(prefill)
   assert prefill.rows == t * k + e * 63
   assert decode.row_align == 1 and "packed" in str(decode), str(decode)
   # The SiLU-and-mul quantizer goes into gate_up's epilogue only where no row tile holds two experts' rows.
   assert prefill.fused_silu_quant and not decode.fused_silu_quant
   assert "not in gate_up's epilogue: packed expert rows" in decode.silu_quant_reason, decode.silu_quant_reason
-  # and only where asked for
-  assert default.row_align == 64 and not default.fused_silu_quant, str(default)
-  assert "not asked for" in default.silu_quant_reason, default.silu_quant_reason
+  # and not where turned off
+  assert off.row_align == 64 and not off.fused_silu_quant, str(off)
+  assert "turned off" in off.silu_quant_reason, off.silu_quant_reason
   with pytest.raises(ValueError, match="silu_quant_in_gate_up must be True, False or None, got 'yes'"):
     moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up="yes")
   rng = np.random.default_rng(7)
@@ -750,17 +749,17 @@ def test_gather_combine_matches_the_scatter_combine(rng, out_dtype):
 @pytest.mark.hopper
 @pytest.mark.parametrize("tokens", [160, 301])
 def test_gpu_layer_with_the_silu_quantizer_in_gate_up(rng, tokens):
-  """The layer asked for the SiLU-and-mul quantizer in gate_up's epilogue, native: fused where its rows are aligned,
-  within §8's bound of the reference, and within it of the unfused layer (whose separate quantizer may round an exp
+  """The layer with the SiLU-and-mul quantizer in gate_up's epilogue (its default on aligned rows), native: within
+  §8's bound of the reference, and within it of the unfused layer (whose separate quantizer may round an exp
   apart)."""
   experts = _experts(rng, e=8, h=512, i=256)
   x = jnp.asarray(rng.standard_normal((tokens, 512)), jnp.bfloat16)
   ids, weights = _routing(rng, tokens, 8, 4, empty=[2])
   args = (x, jnp.asarray(ids), jnp.asarray(weights), *map(jnp.asarray, experts))
-  plan = moe.explain(x, args[3], args[5], 4, silu_quant_in_gate_up=True)
+  plan = moe.explain(x, args[3], args[5], 4)
   assert plan.fused_silu_quant, str(plan)
-  fused = np.asarray(moe.fp8_moe(*args, silu_quant_in_gate_up=True), np.float32)
-  unfused = np.asarray(moe.fp8_moe(*args), np.float32)
+  fused = np.asarray(moe.fp8_moe(*args), np.float32)
+  unfused = np.asarray(moe.fp8_moe(*args, silu_quant_in_gate_up=False), np.float32)
   assert np.isfinite(fused).all()
   expected = _expected(x, ids, weights, experts)
   assert ref.relative_error(fused, expected) <= TOL

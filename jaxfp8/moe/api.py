@@ -42,9 +42,9 @@ def fp8_moe(
     implementation: the grouped GEMMs' ("mosaic", "xla" or None for the best here); quant_implementation: the
       quantizers' (None: the GEMM family's own); interpret: run Pallas kernels interpreted (None: when no GPU);
       combine_implementation: the combine's ("mosaic", "xla" or None: the Mosaic one from
-      combine.MOSAIC_MIN_TOKENS tokens on Hopper); silu_quant_in_gate_up: True runs the SiLU-and-mul quantizer in
-      gate_up's epilogue where the plan allows it (aligned expert rows on the Mosaic prefill schedule), so h never
-      reaches memory (None or False: its own step).
+      combine.MOSAIC_MIN_TOKENS tokens on Hopper); silu_quant_in_gate_up: None or True runs the SiLU-and-mul
+      quantizer in gate_up's epilogue where the plan allows it (aligned expert rows on the Mosaic prefill schedule),
+      so h never reaches memory; False: its own step.
 
   Returns:
     (..., H) in x's dtype. `explain(...)` says which kernels run and why.

@@ -38,8 +38,8 @@ class MoeOptions:
   quant_implementation: str | None = None
   interpret: bool | None = None
   combine_implementation: str | None = None  # None: XLA's (jaxfp8/moe/combine.py)
-  # True: the SiLU-and-mul quantizer in gate_up's epilogue wherever the plan allows it (False or None: a step of its
-  # own; opt-in until the fused kernel has its GPU checks and times, WORKSPACE.md)
+  # None or True: the SiLU-and-mul quantizer in gate_up's epilogue wherever the plan allows it; False: a step of its
+  # own (the two kernels the fused one replaces)
   silu_quant_in_gate_up: bool | None = None
 
   def __post_init__(self):
@@ -172,12 +172,13 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
 
 def _silu_quant_in_gate_up(gate_up: grouped.GroupedPlan, row_align: int, x_dtype, quant_h: quant.QuantPlan,
                            asked: bool | None):
-  """(whether gate_up computes the SiLU-and-mul quantizer in its epilogue, why). Only where asked for; it needs
-  each row tile of the buffer to hold one expert's rows (the epilogue stores a tile's scales whole) and a kernel
-  config that pairs gate and up blocks."""
+  """(whether gate_up computes the SiLU-and-mul quantizer in its epilogue, why). Unless turned off; it needs each
+  row tile of the buffer to hold one expert's rows (the epilogue stores a tile's scales whole) and a kernel config
+  that pairs gate and up blocks. Fused, the layer measured 4-5% faster at 4096 tokens (H100: DeepSeek-V3 EP8 913 vs
+  951 us, Qwen3-30B-A3B 722 vs 763; the fused gate_up 280 us where gate_up and the quantizer took 264 + 54)."""
   p = quant_h.problem
-  if not asked:
-    why = "not asked for (MoeOptions.silu_quant_in_gate_up=True fuses it where the plan allows)"
+  if asked is False:
+    why = "turned off (silu_quant_in_gate_up=False)"
   elif p.scale_ue8m0 or p.group_size != grouped.mosaic.BLOCK:
     why = f"the fused epilogue writes float scales of 128-column groups, not {p}"
   elif gate_up.implementation == "mosaic" and row_align != gate_up.config.tile_m:

@@ -16,8 +16,8 @@ Rows, per layer and token count T (--tokens):
   "steps_summed" (summary) their sum, with non_gemm_share = (sum - gate_up - down) / sum; where the plan puts the
         quantizer in gate_up's epilogue, one step gate_up_silu_quant stands for gate_up and silu_quant, and the two
         unfused kernels are timed after it on its inputs (gate_up_unfused, silu_quant_unfused, not summed)
-  "layer" (ours)   route + `jaxfp8.moe.fp8_moe` in one jit: what a model runs; "layer_fused" (ours) the same with
-        silu_quant_in_gate_up=True, where the plan then fuses (the steps are that plan's)
+  "layer" (ours)   route + `jaxfp8.moe.fp8_moe` in one jit: what a model runs; "layer_unfused" (ours) the same with
+        silu_quant_in_gate_up=False, where the plan puts the quantizer in gate_up's epilogue
   "ragged_dot_bf16", "pallas_ragged_bf16" (baselines)   route + the same layer on bf16 weights (dequantized once,
         outside the timing): sort, gather, gate_up, SiLU-and-mul, down, combine, on `jax.lax.ragged_dot` or, on a
         Hopper GPU, JAX's Pallas Mosaic GPU ragged dot (its fastest of PALLAS_CONFIGS)
@@ -280,10 +280,6 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     local = np.flatnonzero(((ids >= 0) & (ids < layer.experts)).any(axis=-1))
     pick = rng.choice(local if local.size >= min(4, t) else t, min(4, t), replace=False)
     plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16)
-    # The steps on the plan with the SiLU-and-mul quantizer in gate_up's epilogue where it allows it (the opt-in
-    # that these times decide on), the unfused pair timed beside it.
-    fused_plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK,
-                                  jnp.bfloat16, moe_planner.MoeOptions(silu_quant_in_gate_up=True))
 
     def record(contender, role, **fields):
       row = dict(base, contender=contender, role=role, **fields)
@@ -295,12 +291,13 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     fp8_want = _fp8_reference(values, pick)
     if "layer" in implementations:
       _time_layer(plan, route, values, (fp8_want, pick), time_us, counts, record)
-      if fused_plan.fused_silu_quant:
-        _time_layer(fused_plan, route, values, (fp8_want, pick), time_us, counts, record, "layer_fused")
+      if plan.fused_silu_quant:
+        _time_layer(dataclasses.replace(plan, fused_silu_quant=False), route, values, (fp8_want, pick), time_us,
+                    counts, record, "layer_unfused")
     if "steps" in implementations:
-      _time_steps(layer_steps(fused_plan, route), values, (fp8_want, pick), time_us, counts, record)
-      if fused_plan.fused_silu_quant and "h_q" in values:
-        _time_unfused(fused_plan, values, time_us, record)
+      _time_steps(layer_steps(plan, route), values, (fp8_want, pick), time_us, counts, record)
+      if plan.fused_silu_quant and "h_q" in values:
+        _time_unfused(plan, values, time_us, record)
       if _platform.is_hopper() and "out" in values:
         _time_other_combine(layer, plan, t, values, time_us, record)
     baselines = [b for b in ("ragged_dot_bf16", "pallas_ragged_bf16") if b in implementations]
@@ -314,9 +311,9 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
 
 
 def _time_layer(plan, route, values, check, time_us, counts, record, contender: str = "layer") -> None:
-  """The layer in one jit as `fp8_moe` runs it (contender "layer_fused": asked for the SiLU-and-mul quantizer in
-  gate_up's epilogue, which `plan` has)."""
-  fuse = contender == "layer_fused"
+  """The layer in one jit as `fp8_moe` runs it (contender "layer_unfused": with silu_quant_in_gate_up=False, the
+  plan `plan` describes)."""
+  fuse = contender != "layer_unfused"
   fn = jax.jit(lambda x, gw, b, *w: moe.fp8_moe(x, *route(x, gw, b), *w, silu_quant_in_gate_up=fuse))
   args = tuple(values[name] for name in ("x", "gate_weight", "bias", "w13_q", "w13_s", "w2_q", "w2_s"))
   try:
@@ -431,7 +428,7 @@ def summary_table(rows: list[dict]) -> str:
            "of their sum (the *_unfused columns: the two kernels the fused step replaces, timed on its inputs, not "
            "in the sum); weight stream = the bytes of the experts that received rows / 4.3 TB/s.", "",
            "| layer | T | local rows | experts with rows | " + " | ".join(steps) +
-           " | steps summed | non-GEMM | weight stream us | layer (x weight stream) | layer fused | ragged_dot bf16 |"
+           " | steps summed | non-GEMM | weight stream us | layer (x weight stream) | layer unfused | ragged_dot bf16 |"
            " Pallas bf16 | layer rel err |", "|---|---|---|---|" + "---|" * (len(steps) + 8)]
   for (shape, t), cells in by_key.items():
     any_row = next(iter(cells.values()))
@@ -443,7 +440,7 @@ def summary_table(rows: list[dict]) -> str:
                  f" | {bench_report.cell_us(cells.get('steps_summed'))} | {share} | "
                  f"{any_row['weight_stream_us']:.1f} | "
                  f"{bench_report.cell_us(cells.get('layer'), 'x_weight_stream')} | "
-                 f"{bench_report.cell_us(cells.get('layer_fused'), 'x_weight_stream')} | "
+                 f"{bench_report.cell_us(cells.get('layer_unfused'), 'x_weight_stream')} | "
                  f"{bench_report.cell_us(cells.get('ragged_dot_bf16'))} | "
                  f"{bench_report.cell_us(cells.get('pallas_ragged_bf16'))} | {err} |")
   return "\n".join(lines) + "\n"
