@@ -417,7 +417,8 @@ def test_default_implementation_on_cpu_is_xla():
     ((9, 0), 20, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 4096, 256, 256, (128, 128), "mosaic"),
     ((9, 0), 23, 256, 256, (128, 128), "mosaic"),    # any M (the launcher pads a_q's TMA view, the scales' columns)
-    ((9, 0), 20, 200, 256, (128, 128), "triton"),    # N tail: Mosaic runs it when asked, untimed so not by default
+    ((9, 0), 20, 200, 256, (128, 128), "triton"),    # N tail on 2 tiles: Triton measured faster there
+    ((9, 0), 4096, 200, 256, (128, 128), "mosaic"),  # N tail on 64 tiles
     ((9, 0), 20, 196, 256, (128, 128), "triton"),    # N % 8 != 0: no Mosaic kernel
     ((9, 0), 20, 256, 256, (64, 64), "triton"),
     ((8, 9), 8, 256, 256, (128, 128), "triton"),

@@ -633,7 +633,7 @@ def test_plans_say_why():
       decode = grouped.plan_for(jax.ShapeDtypeStruct((32, 64, 7168), F8), b, (128, 128))
       odd = grouped.plan_for(a, b, (128, 64))
       tail = grouped.plan_for(a, jax.ShapeDtypeStruct((32, 576, 7168), F8), (128, 128))
-    assert tail.implementation == "xla" and "partial last column tile" in str(tail), str(tail)
+    assert tail.implementation == "mosaic", str(tail)  # a partial last column tile
     assert prefill.implementation == "mosaic" and prefill.config.persistent and "prefill" in str(prefill)
     assert (prefill.config.tile_m, prefill.config.tile_n, prefill.config.wg_split) == (64, 256, ggm.Dim.N)
     assert decode.config.tile_m == 64 and not decode.config.persistent and "decode" in str(decode)
@@ -859,8 +859,10 @@ def test_gpu_masked_expert_shapes(shape, t):
 @pytest.mark.parametrize("rows_per_expert", [70, 600])
 def test_gpu_gate_up_with_the_silu_quantizer_in_its_epilogue(shape, rows_per_expert):
   """The fused gate_up at the layer's expert shapes on aligned rows (each expert from a multiple of 64, a third of
-  them empty): up to 4 rows of every expert against §1 of the reference's h (scales within a bf16 ulp of h's amax,
-  codes within one step), every expert's rows written."""
+  them empty): up to 4 rows of every expert against §1 of the h that the unfused gate_up computes on the GPU with the
+  same schedule (scales within a bf16 ulp of h's amax, codes within one step), every expert's rows written. (Against
+  the float64 GEMM's h the codes of values near zero may move further: the tensor cores' sums differ from it by
+  about 1e-4 of the row's amax, several subnormal fp8 steps; the layer's GPU test bounds that.)"""
   rng = np.random.default_rng(rows_per_expert + len(shape))
   e, n, k = EXPERT_SHAPES[shape]
   sizes = np.where(np.arange(e) % 3 == 0, 0, rng.integers(1, 2 * rows_per_expert, e)).astype(np.int32)
@@ -877,8 +879,10 @@ def test_gpu_gate_up_with_the_silu_quantizer_in_its_epilogue(shape, rows_per_exp
   q, s = np.asarray(q), np.asarray(s)
   rows_of = {g: rng.choice(starts[g] + np.arange(sizes[g]), min(4, sizes[g]), replace=False)
              for g in range(e) if sizes[g]}
-  expected = _fused_expected(np.asarray(a_q), np.asarray(a_s), np.asarray(b_q), np.asarray(b_s), rows_of,
-                             jnp.bfloat16)
+  h = np.asarray(grouped.planner.run(a_q, b_q, a_s, b_s, table, plan=plan, prepared=True))
+  assert h.dtype == jnp.bfloat16
+  expected = {g: ref.per_token_group_quant_fp8(h[r], 128, fuse_silu_and_mul=True, column_major_scales=True)
+              for g, r in rows_of.items()}
   _check_fused(q, s, expected, rows_of, np.zeros(rows, bool))
 
 

@@ -311,7 +311,8 @@ def _weight_shape(n, k):
     ((9, 0), 65, 256, 256, (128, 128), "mosaic", 8, "Hopper"),   # 65 -> 72 (68 is not a TMA-tileable row count)
     ((9, 0), 100, 256, 256, (128, 128), "mosaic", 8, "Hopper"),  # 100 -> 104
     ((9, 0), 132, 256, 256, (128, 128), "mosaic", 8, "Hopper"),  # 132 -> 136
-    ((9, 0), 20, 200, 256, (128, 128), "triton", 1, "partial last column tile"),  # Mosaic runs it when asked
+    ((9, 0), 20, 200, 256, (128, 128), "triton", 1, "partial column tile"),  # few tiles: Triton measured faster
+    ((9, 0), 4096, 200, 256, (128, 128), "mosaic", 1, "Hopper"),  # 64 tiles: Mosaic
     ((9, 0), 20, 196, 256, (128, 128), "triton", 1, "cannot take this problem"),
     ((9, 0), 20, 256, 256, (64, 64), "triton", 1, "block_size=(128, 128) only"),
     ((8, 9), 5, 256, 256, (128, 128), "triton", 1, "sm_89"),

@@ -186,12 +186,20 @@ def unavailable(device: _platform.Device, interpret: bool) -> str | None:
   return _platform.unavailable_reason("the Mosaic GPU GEMM", device, interpret, hopper=True, module=KERNEL_MODULE)
 
 
+# With N % 128, below this many 128x128 output tiles the Triton kernel is the faster one. H200, DeepSeek-V3 at K=7168
+# (us, Mosaic / Triton): N=576 M=512 (20 tiles) 20.5 / 14.7, M=1024 (40) 21.0 / 24.1; N=2112 M=256 (34) 21.0 / 19.9,
+# M=512 (68) 22.7 / 31.1 (benchmarks/README.md, column tails). Few tiles leave the Mosaic schedules few CTAs: N=576
+# has 5 columns of them.
+COLUMN_TAIL_MIN_TILES = 40
+
+
 def not_default(problem) -> str | None:
-  """Why the default dispatch passes over this kernel for a problem it can run (None: it does not): a partial last
-  column tile (N % 128) has run interpreted and lowered for sm_90, not yet on a GPU; implementation="mosaic" runs it."""
+  """Why the default dispatch passes over this kernel for a problem it can run (None: it does not)."""
   if problem.n % BLOCK:
-    return (f"N={problem.n} leaves a partial last column tile, which the Mosaic kernel has run interpreted and "
-            f"lowered but not on a GPU (implementation='mosaic' asks for it)")
+    tiles = cdiv(problem.m, 128) * cdiv(problem.n, BLOCK)
+    if tiles < COLUMN_TAIL_MIN_TILES:
+      return (f"N={problem.n} ends in a partial column tile and M={problem.m} makes {tiles} 128x128 tiles "
+              f"(< {COLUMN_TAIL_MIN_TILES}), where the Triton kernel measured faster")
   return None
 
 

@@ -129,10 +129,6 @@ def unavailable(device: _platform.Device, interpret: bool) -> str | None:
                                       module=KERNEL_MODULE)
 
 
-# The dense kernel's rule: the same partial-column-tile epilogue, untimed alike.
-not_default = dense.not_default
-
-
 def unsupported(problem) -> str | None:
   if tuple(problem.block_size) != (BLOCK, BLOCK):
     return f"it implements block_size=(128, 128) only, got {tuple(problem.block_size)}"

@@ -85,12 +85,13 @@ def group_sizes(rng: np.random.Generator, rows: int, experts: int, routing: str)
 
 
 def make_problem(key, e: int, n: int, k: int, rows: int, block_size):
-  """(a_q (R, K), b_q (E, N, K), a_s column-major (K/gk, round_up(R, 4)), b_s (E, N/gn, K/gk))."""
+  """(a_q (R, K), b_q (E, N, K), a_s column-major (K/gk, round_up(R, 4)), b_s (E, ceil(N/gn), K/gk))."""
   gn, gk = block_size
   kw, ka = jax.random.split(key)
-  b_q, b_s = bench_gemm.make_weight(kw, e * n, k, block_size)
+  n_blocks = -(-n // gn)  # each expert's rows quantized in whole blocks, the rows past N then cut
+  b_q, b_s = bench_gemm.make_weight(kw, e * n_blocks * gn, k, block_size)
   a_q, a_s = bench_gemm.make_activation(ka, rows, k, gk)
-  return a_q, b_q.reshape(e, n, k), a_s, b_s.reshape(e, n // gn, -1)
+  return a_q, b_q.reshape(e, n_blocks * gn, k)[:, :n], a_s, b_s.reshape(e, n_blocks, -1)
 
 
 def masked_layout(a_q, a_s_col, sizes: np.ndarray, rows_per_expert: int):
