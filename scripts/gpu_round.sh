@@ -25,8 +25,6 @@
 #                 deepseek_v3_tp8,deepseek_v3_tp16,qwen3_4b in a second call); not yet timed
 #   bench-quant   python -m jaxfp8 bench --ops=quant at the quantizer's widths K = 512..18432 and M = 1..16384
 #                 (~2 min; BENCH_QUANT_ARGS overrides them)
-#   ready         the fused SiLU-and-mul gate_up and the Mosaic N tails: their GPU tests, the MoE bench at 4096 tokens
-#                 (layer, layer_unfused, steps) and the N=576/2112 GEMMs (about 4 minutes on an H100 in two calls)
 #   grouped       the grouped GEMM's GPU tests (tests/test_grouped.py -m hopper: DeepSeek-V3 EP8 and Qwen3-30B-A3B
 #                 expert shapes, ragged and masked, every expert's sampled rows against the reference), then
 #                 python -m jaxfp8 bench --ops=grouped (ours ragged and masked, lax.ragged_dot and JAX's Pallas ragged
@@ -149,17 +147,6 @@ for phase in "${phases[@]}"; do
     bench-quant) run bench_quant python3 -m jaxfp8 bench --ops=quant ${BENCH_QUANT_ARGS:---k=512,2048,7168,18432 \
                    --m=1,16,64,256,1024,4096,16384} --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench --ops=gemm ${BENCH_GEMM_ARGS:-} --out="$out/gemm_h200.json" ;;
-    ready) # what this tree adds that has not run on a GPU: the SiLU-and-mul quantizer in gate_up's epilogue and the
-           # Mosaic N tails (GPU tests, then the fused MoE layer beside the unfused one, and the tails' GEMM times)
-           # (kept as the recipe of that round)
-           run tests_ready python3 -m pytest tests/test_grouped.py tests/test_gemm_mosaic.py tests/test_moe.py \
-             -k "silu_quant or column_tails" -m "gpu or hopper" -n "${TEST_WORKERS:-4}" \
-             "${parallel_args[@]}" --junitxml="$out/tests_ready.junit.xml"
-           run bench_moe_fused python3 -m jaxfp8 bench --ops=moe --implementations=layer,steps --tokens=4096 \
-             --seed=482554592 --time_budget_s=240 --out="$out/moe_fused_h200.json"
-           run bench_column_tails python3 -m jaxfp8 bench --ops=gemm \
-             --models=deepseek_v3.kv_a_proj_with_mqa,deepseek_v3.fused_qkv_a_proj --m=1,64,128,1024,4096 \
-             --implementations=mosaic,triton,torch_scaled_mm --time_budget_s=200 --out="$out/gemm_column_tails_h200.json" ;;
     grouped) run tests_grouped python3 -m pytest tests/test_grouped.py -m "gpu or hopper" "${pytest_args[@]}" \
                --junitxml="$out/tests_grouped.junit.xml"
              run bench_grouped python3 -m jaxfp8 bench --ops=grouped ${GROUPED_BENCH_ARGS:---time_budget_s=420} \

@@ -433,8 +433,9 @@ def test_prefill_dispatch_starts_each_expert_at_a_row_tile():
   # and not where turned off
   assert off.row_align == 64 and not off.fused_silu_quant, str(off)
   assert "turned off" in off.silu_quant_reason, off.silu_quant_reason
-  with pytest.raises(ValueError, match="silu_quant_in_gate_up must be True, False or None, got 'yes'"):
-    moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up="yes")
+  for wrong in ("yes", 1):  # never a truthy stand-in for a bool
+    with pytest.raises(TypeError, match=f"silu_quant_in_gate_up must be a bool, got {wrong!r}"):
+      moe.explain(jax.ShapeDtypeStruct((t, h), jnp.bfloat16), *weights, k, silu_quant_in_gate_up=wrong)
   rng = np.random.default_rng(7)
   ids = rng.integers(-1, e + 1, (t, k)).astype(np.int32)
   ids[:, 0] = 3  # one expert with more than a tile of rows

@@ -292,8 +292,9 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     if "layer" in implementations:
       _time_layer(plan, route, values, (fp8_want, pick), time_us, counts, record)
       if plan.fused_silu_quant:
-        _time_layer(dataclasses.replace(plan, fused_silu_quant=False), route, values, (fp8_want, pick), time_us,
-                    counts, record, "layer_unfused")
+        unfused = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK,
+                                   jnp.bfloat16, moe_planner.MoeOptions(silu_quant_in_gate_up=False))
+        _time_layer(unfused, route, values, (fp8_want, pick), time_us, counts, record, "layer_unfused")
     if "steps" in implementations:
       _time_steps(layer_steps(plan, route), values, (fp8_want, pick), time_us, counts, record)
       if plan.fused_silu_quant and "h_q" in values:
@@ -311,9 +312,8 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
 
 
 def _time_layer(plan, route, values, check, time_us, counts, record, contender: str = "layer") -> None:
-  """The layer in one jit as `fp8_moe` runs it (contender "layer_unfused": with silu_quant_in_gate_up=False, the
-  plan `plan` describes)."""
-  fuse = contender != "layer_unfused"
+  """The layer in one jit as `fp8_moe` runs `plan` (whose fused_silu_quant it asks for)."""
+  fuse = plan.fused_silu_quant  # False where the plan could not fuse anyway: the same plan
   fn = jax.jit(lambda x, gw, b, *w: moe.fp8_moe(x, *route(x, gw, b), *w, silu_quant_in_gate_up=fuse))
   args = tuple(values[name] for name in ("x", "gate_weight", "bias", "w13_q", "w13_s", "w2_q", "w2_s"))
   try:
