@@ -3,17 +3,34 @@
 are float layers; `quantize_linears` leaves them so).
 
 Both take logits (..., E), any leading shape (the tokens, as the layer takes them), and follow one NaN rule: a token
-whose routing values hold a NaN gets NaN for every one of its weights (§8)."""
+whose routing values hold a NaN gets NaN for every one of its weights (§8).
+
+Two implementations of the choice after the logits (`plan` picks, `Router.explain` says which and why): "xla", the
+compare-and-count top-k below (a chain of small fused reductions: about ten kernels for DeepSeek-V3's router at one
+token), and "mosaic", one Mosaic GPU kernel for the whole chain (pallas_kernels/route_topk_mosaic.py), the default
+on Hopper where it takes the problem. Both give `lax.top_k`'s ids on the same values; the weights may differ by the
+rounding of each one's exp and k-term sum (§8: weights to float32 rounding). Both are differentiable in the logits
+(the Mosaic one through the XLA weights of the ids it chose) and take `jax.vmap`."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxfp8 import _checks
+from jaxfp8 import _checks, _planning, _platform
+from jaxfp8 import _transforms as transforms
+
+KERNEL_MODULE = "pallas_kernels.route_topk_mosaic"
+IMPLEMENTATIONS = ("mosaic", "xla")
+# From this many tokens the Mosaic router runs by default, per scoring. The kernel's time is nearly flat in the
+# tokens (one CTA per 64, each a serial chain of row reductions), XLA's grows with them from a few small kernels.
+MOSAIC_MIN_TOKENS = {"sigmoid": 1, "softmax": 64}
 
 
 # The most comparisons a compare-and-count choice (`_top_k` here, the layer's dispatch) makes in one call: the largest
@@ -81,6 +98,76 @@ def _top_k_rounds(values: jax.Array, k: int) -> jax.Array:
   return jnp.stack(ids, axis=-1)
 
 
+def _kernel():
+  return importlib.import_module(KERNEL_MODULE)
+
+
+class RoutePlan(_planning.StepPlan):
+  STEP = "router top-k"
+
+
+def plan(router, tokens: int, experts: int, dtype, implementation: str | None = None, interpret: bool | None = None,
+         device: _platform.Device | None = None) -> RoutePlan:
+  """The plan of `router` on logits (tokens, experts) of dtype: the Mosaic kernel on Hopper where it takes the
+  problem, else XLA's top-k; `implementation` overrides (a ValueError says why the Mosaic one cannot run here)."""
+  _checks.one_of("implementation", implementation, IMPLEMENTATIONS)
+  interpret = _platform.resolve_interpret(_checks.interpret(interpret))
+  device = device or _platform.device()
+  if implementation == "xla":
+    return RoutePlan("xla", None, interpret, "implementation='xla' was asked for")
+  why = _platform.unavailable_reason("the Mosaic GPU router", device, interpret, hopper=True, module=KERNEL_MODULE)
+  spec = None if why else router.kernel_routing()
+  if not why and (problems := _kernel().problems(experts, dtype, spec)):
+    why = "; ".join(problems)
+  if implementation is None:
+    if device.capability is None or (interpret and not device.is_hopper):
+      return RoutePlan("xla", None, interpret, f"no Hopper GPU (device {device.describe()}): XLA's compare-and-count "
+                       "top-k (name implementation='mosaic' to interpret the kernel)")
+    if why:
+      return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k (the Mosaic router cannot run: {why})")
+    if tokens < (least := MOSAIC_MIN_TOKENS[spec.scoring]):
+      return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k ({tokens} tokens < {least}: its few "
+                       "kernels beat the Mosaic router's one)")
+    return RoutePlan("mosaic", spec, interpret, f"Hopper GPU {device.describe()}: one Mosaic GPU kernel for the "
+                     f"whole choice of {tokens} tokens (XLA runs it as a chain of small reductions, a kernel each)")
+  if why:
+    raise ValueError(f"implementation='mosaic' cannot run here: {why}; use implementation='xla'")
+  return RoutePlan("mosaic", spec, interpret, "implementation='mosaic' was asked for")
+
+
+def _route(router, p: RoutePlan, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """(ids, weights) of logits (T, E) by `p`'s implementation."""
+  if p.implementation == "xla":
+    return router.choose(logits, bias)
+
+  def kernel(logits, bias):
+    return _kernel().route_topk(logits, bias if router.uses_correction_bias else None, routing=p.config,
+                                interpret=p.interpret)
+
+  def vmap_rule(axis_size, in_batched, logits, bias):
+    if not in_batched[0]:
+      logits = jnp.broadcast_to(logits, (axis_size, *logits.shape))
+    if in_batched[1]:  # a bias per batch entry: one kernel call cannot take them; XLA's choice, the same contract
+      return jax.vmap(router.choose)(logits, bias), (True, True)
+    ids, weights = kernel(logits.reshape(-1, logits.shape[-1]), bias)
+    return (ids.reshape(axis_size, -1, ids.shape[-1]), weights.reshape(axis_size, -1, weights.shape[-1])), (True, True)
+
+  chosen = transforms.batched(kernel, vmap_rule)
+
+  @jax.custom_jvp
+  def route(logits, bias):
+    return chosen(logits, bias)
+
+  @route.defjvp
+  def route_jvp(primals, tangents):
+    # The weights' derivative is that of the chosen experts' XLA weights (the ids are discrete: no tangent).
+    ids, weights = route(*primals)
+    _, weights_dot = jax.jvp(lambda l, b: router.weights_of(l, b, ids), primals, tangents)
+    return (ids, weights), (np.zeros(ids.shape, jax.dtypes.float0), weights_dot)
+
+  return route(logits, jnp.zeros((logits.shape[-1],), jnp.float32) if bias is None else bias)
+
+
 def _token_rows(router: str, logits) -> tuple[tuple[int, ...], int]:
   """(the tokens' leading shape, E) of logits (..., E), checked."""
   _checks.array("logits", logits, _checks.FLOAT_DTYPES, ndim=None)
@@ -145,8 +232,21 @@ class DeepSeekV3Router:
     return jnp.einsum("...h,eh->...e", x.astype(jnp.float32), gate_weight.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)
 
-  def __call__(self, logits: jax.Array, correction_bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """logits (..., E), correction_bias (E,) -> (ids int32 (..., top_k), weights float32 (..., top_k))."""
+  def kernel_routing(self):
+    return _kernel().TopkRouting("sigmoid", self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
+                                 float(self.routed_scaling_factor))
+
+  def explain(self, logits, *, implementation: str | None = None, interpret: bool | None = None,
+              device: _platform.Device | None = None) -> RoutePlan:
+    """The plan a call on logits of this shape and dtype (an array or `jax.ShapeDtypeStruct`) runs, and why."""
+    lead, e = _token_rows("DeepSeekV3Router", logits)
+    self.validate(e)
+    return plan(self, math.prod(lead), e, logits.dtype, implementation, interpret, device)
+
+  def __call__(self, logits: jax.Array, correction_bias: jax.Array | None, *, implementation: str | None = None,
+               interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """logits (..., E), correction_bias (E,) -> (ids int32 (..., top_k), weights float32 (..., top_k)).
+    implementation: "mosaic", "xla" or None (`explain` says which runs and why)."""
     lead, e = _token_rows("DeepSeekV3Router", logits)
     self.validate(e)
     if correction_bias is None:
@@ -156,7 +256,14 @@ class DeepSeekV3Router:
     if tuple(correction_bias.shape) != (e,):
       raise ValueError(f"correction_bias must have shape (E,) = ({e},), one per expert of logits of shape "
                        f"{tuple(logits.shape)}, got {tuple(correction_bias.shape)}")
-    scores = jax.nn.sigmoid(logits.reshape(-1, e).astype(jnp.float32))
+    p = plan(self, math.prod(lead), e, logits.dtype, implementation, interpret)
+    ids, weights = _route(self, p, logits.reshape(-1, e), correction_bias.astype(jnp.float32))
+    return ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+
+  def choose(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """XLA's choice on checked logits (T, E) and correction_bias (E,)."""
+    e = logits.shape[-1]
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     t = scores.shape[0]
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(t, self.n_group, e // self.n_group)
@@ -166,11 +273,20 @@ class DeepSeekV3Router:
     group_ids = _top_k(group_scores, self.topk_group)[0]
     allowed = jnp.any(group_ids[:, :, None] == jnp.arange(self.n_group, dtype=jnp.int32), axis=1)
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
-    ids, weights = _top_k(masked, self.top_k, scores)
+    ids = _top_k(masked, self.top_k)[0].astype(jnp.int32)
+    return ids, _nan_tokens_get_nan(choice, self.weights_of(logits, correction_bias, ids))
+
+  def _normalized(self, weights: jax.Array) -> jax.Array:
     if self.norm_topk_prob:
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    weights = _nan_tokens_get_nan(choice, weights * jnp.float32(self.routed_scaling_factor))
-    return ids.astype(jnp.int32).reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+    return weights * jnp.float32(self.routed_scaling_factor)
+
+  def weights_of(self, logits: jax.Array, correction_bias: jax.Array, ids: jax.Array) -> jax.Array:
+    """The weights of the experts `ids` (T, k) chose from logits (T, E): their scores, gathered (differentiable in
+    the logits, exact values), normalized."""
+    del correction_bias  # it moves the choice only
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    return self._normalized(jnp.take_along_axis(scores, ids, axis=-1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,19 +310,44 @@ class Qwen3MoeRouter:
     return _rounded(jnp.einsum("...h,eh->...e", x, gate_weight.astype(x.dtype), preferred_element_type=jnp.float32,
                                precision=lax.Precision.HIGHEST).astype(x.dtype))
 
-  def __call__(self, logits: jax.Array, correction_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """logits (..., E) -> (ids int32 (..., top_k), weights float32 (..., top_k)). Qwen3 has no correction bias."""
+  def kernel_routing(self):
+    return _kernel().TopkRouting("softmax", self.top_k, norm_topk_prob=self.norm_topk_prob)
+
+  def explain(self, logits, *, implementation: str | None = None, interpret: bool | None = None,
+              device: _platform.Device | None = None) -> RoutePlan:
+    """The plan a call on logits of this shape and dtype (an array or `jax.ShapeDtypeStruct`) runs, and why."""
+    lead, e = _token_rows("Qwen3MoeRouter", logits)
+    self.validate(e)
+    return plan(self, math.prod(lead), e, logits.dtype, implementation, interpret, device)
+
+  def __call__(self, logits: jax.Array, correction_bias: jax.Array | None = None, *,
+               implementation: str | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """logits (..., E) -> (ids int32 (..., top_k), weights float32 (..., top_k)). Qwen3 has no correction bias.
+    implementation: "mosaic", "xla" or None (`explain` says which runs and why)."""
     lead, e = _token_rows("Qwen3MoeRouter", logits)
     if correction_bias is not None:
       raise ValueError("Qwen3MoeRouter takes no correction_bias (that is DeepSeek-V3's router), got an array of "
                        f"shape {tuple(getattr(correction_bias, 'shape', ()))}")
     self.validate(e)
-    probs = jax.nn.softmax(logits.reshape(-1, e).astype(jnp.float32), axis=-1)
-    ids, weights = _top_k(probs, self.top_k, probs)
-    if self.norm_topk_prob:
-      weights = weights / weights.sum(-1, keepdims=True)
-    weights = _nan_tokens_get_nan(probs, weights)
-    return ids.astype(jnp.int32).reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+    p = plan(self, math.prod(lead), e, logits.dtype, implementation, interpret)
+    ids, weights = _route(self, p, logits.reshape(-1, e), None)
+    return ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+
+  def choose(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
+    """XLA's choice on checked logits (T, E)."""
+    del correction_bias
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    ids = _top_k(probs, self.top_k)[0].astype(jnp.int32)
+    return ids, _nan_tokens_get_nan(probs, self.weights_of(logits, None, ids))
+
+  def _normalized(self, weights: jax.Array) -> jax.Array:
+    return weights / weights.sum(-1, keepdims=True) if self.norm_topk_prob else weights
+
+  def weights_of(self, logits: jax.Array, correction_bias, ids: jax.Array) -> jax.Array:
+    """The weights of the experts `ids` (T, k) chose from logits (T, E) (differentiable in the logits)."""
+    del correction_bias
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return self._normalized(jnp.take_along_axis(probs, ids, axis=-1))
 
 
 Router = DeepSeekV3Router | Qwen3MoeRouter

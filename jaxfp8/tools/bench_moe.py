@@ -146,13 +146,19 @@ def _dequantized(q, s):
   return jnp.swapaxes(w, 1, 2).astype(jnp.bfloat16)
 
 
-def _route_fn(layer: Layer):
-  """The gate's logits and the router. Ids of experts this device does not hold (>= its E) are skipped by the layer."""
-  router = moe.DeepSeekV3Router(top_k=layer.top_k) if layer.family == "deepseek_v3" else \
-      moe.Qwen3MoeRouter(top_k=layer.top_k)
+def _router(layer: Layer):
+  return (moe.DeepSeekV3Router(top_k=layer.top_k) if layer.family == "deepseek_v3" else
+          moe.Qwen3MoeRouter(top_k=layer.top_k))
+
+
+def _route_fn(layer: Layer, implementation: str | None = None):
+  """The gate's logits and the router (its plan's implementation, or the one named). Ids of experts this device does
+  not hold (>= its E) are skipped by the layer."""
+  router = _router(layer)
 
   def route(x, gate_weight, bias):
-    return router(router.logits(x, gate_weight), bias if router.uses_correction_bias else None)
+    return router(router.logits(x, gate_weight), bias if router.uses_correction_bias else None,
+                  implementation=implementation)
   return route
 
 
@@ -301,6 +307,7 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
         _time_unfused(plan, values, time_us, record)
       if _platform.is_hopper() and "out" in values:
         _time_other_combine(layer, plan, t, values, time_us, record)
+        _time_other_route(layer, values, time_us, record)
     baselines = [b for b in ("ragged_dot_bf16", "pallas_ragged_bf16") if b in implementations]
     if baselines:
       bf16_weights = bf16_weights or [_dequantized(weights["w13_q"], weights["w13_s"]),
@@ -376,6 +383,25 @@ def _time_other_combine(layer: Layer, plan, t: int, values, time_us, record) -> 
            **bench_report.kernel_fields(kernels))
   except Exception as e:  # reported, not fatal for the other rows
     record(f"combine_{other}", "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def _time_other_route(layer: Layer, values, time_us, record) -> None:
+  """The route step again on the router implementation its plan did not pick, on the same inputs: its time, as
+  "route_<implementation>", and whether it chose the same ids (weights_max_diff: the largest weight difference)."""
+  router = _router(layer)
+  logits = jax.ShapeDtypeStruct((values["x"].shape[0], layer.total_experts), jnp.float32)
+  other = "xla" if router.explain(logits).implementation == "mosaic" else "mosaic"
+  try:
+    fn = jax.jit(_route_fn(layer, other))
+    args = tuple(values[name] for name in ("x", "gate_weight", "bias"))
+    ids, weights = fn(*args)
+    same = bool(np.array_equal(np.asarray(ids), np.asarray(values["ids"])))
+    diff = float(np.max(np.abs(np.asarray(weights) - np.asarray(values["weights"])), initial=0.0))
+    us, kernels = time_us(fn, [args])
+    record(f"route_{other}", "part", us=us, step=True, same_ids=same, weights_max_diff=diff,
+           **bench_report.kernel_fields(kernels))
+  except Exception as e:  # reported, not fatal for the other rows
+    record(f"route_{other}", "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def _time_bf16(baseline, route, values, bf16_weights, check, time_us, counts, record) -> None:

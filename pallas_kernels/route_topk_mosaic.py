@@ -1,0 +1,290 @@
+"""MoE router top-k for Hopper (sm_90) in Pallas Mosaic GPU: router logits (T, E) -> each token's k experts and
+their weights, in one kernel.
+
+DeepSeek-V3's router (sigmoid scores, a correction bias for the choice only, the `topk_group` of `n_group` expert
+groups whose two best biased scores sum highest, normalized weights times a scaling factor) and Qwen3-MoE's (softmax,
+top k, renormalized) are chains of small reductions: XLA runs each as its own kernel (about ten at one token), where
+this kernel holds a block of 64 tokens as a (64, E) register array (one token a row, its experts along the row) and
+does the whole chain with row reductions:
+
+  - a group's score is its best two keys (the key of a float is its IEEE total order as an int32, the order
+    `lax.top_k` ranks by), summed as floats; a NaN sum ranks last; the groups are ranked by comparing their scores
+    pairwise (ties to the lower group), and the experts of the groups ranked past topk_group are masked to -inf;
+  - the k experts are taken in k rounds: the largest key of the row, the lowest expert holding it (ties to the lower
+    index), its weight picked exactly from the scores, its key replaced by one below every other key;
+  - a token whose values hold a NaN gets NaN weights (its ids stay k distinct experts).
+
+The ids are `lax.top_k`'s on the same values, bit for bit; the weights differ from XLA's by the rounding of `exp`
+and of the k-term sum only. Logits come in their dtype (Qwen3's are rounded to the activations' bfloat16) and are
+widened in the kernel. Tokens are rows of 64; the last block's rows past T are read as zeros by TMA and never
+stored past the padded output the launcher slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+BLOCK_TOKENS = 64  # rows of a warpgroup's (64, N) register tile
+MAX_EXPERTS = 256  # (64, E) int32 keys take E / 2 registers a thread; past 256 they would spill
+TAKEN = -(2 ** 31)  # the key of a taken expert: below every key a value can have (keys are clamped above it)
+NEG_INF_KEY = -2139095041  # the key of -inf
+CHUNK = 128  # the columns one top-k pass holds: (64, 128) int32 keys take 64 registers a thread
+SCORINGS = ("sigmoid", "softmax")
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkRouting:
+  """What the kernel computes. scoring "sigmoid": DeepSeek-V3's router (a correction bias, groups); "softmax":
+  Qwen3-MoE's (n_group = topk_group = 1). Weights are divided by their sum when norm_topk_prob (DeepSeek-V3's sum
+  plus 1e-20), then multiplied by routed_scaling_factor (sigmoid only)."""
+  scoring: str
+  top_k: int
+  n_group: int = 1
+  topk_group: int = 1
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+
+  @property
+  def grouped(self) -> bool:
+    """Whether some group can be masked (with topk_group == n_group every expert stays a candidate)."""
+    return self.topk_group < self.n_group
+
+
+def problems(experts: int, dtype, routing: TopkRouting) -> list[str]:
+  """What keeps this kernel from routing logits (T, experts) of dtype (empty: nothing)."""
+  found = []
+  if routing.scoring not in SCORINGS:
+    found.append(f"scoring must be one of {SCORINGS}, got {routing.scoring!r}")
+  if jnp.dtype(dtype) not in DTYPES:
+    found.append(f"logits must be float32, bfloat16 or float16, got {jnp.dtype(dtype).name}")
+  if experts % 8 or not 0 < experts <= MAX_EXPERTS:
+    found.append(f"E={experts} experts must be a positive multiple of 8 up to {MAX_EXPERTS}")
+  if not 1 <= routing.top_k <= experts:
+    found.append(f"top_k={routing.top_k} must be in [1, E={experts}]")
+  if routing.scoring == "softmax" and routing.n_group != 1:
+    found.append(f"softmax routing has no groups, got n_group={routing.n_group}")
+  if routing.grouped and (experts % routing.n_group or (experts // routing.n_group) % 8):
+    found.append(f"each of the n_group={routing.n_group} groups of the {experts} experts must hold a multiple of 8 "
+                 "experts (a group is a slice of whole 8-column tiles)")
+  elif experts % chunk_columns(experts, routing):
+    found.append(f"E={experts} experts must split into top-k passes of {chunk_columns(experts, routing)} columns "
+                 f"(E up to {CHUNK}, or a multiple of {CHUNK} columns of whole groups)")
+  return found
+
+
+def chunk_columns(experts: int, routing: TopkRouting) -> int:
+  """The columns of one top-k pass: up to CHUNK, whole groups where some group can be masked."""
+  chunk = min(experts, CHUNK)
+  if routing.grouped and experts % routing.n_group == 0:
+    per = experts // routing.n_group
+    chunk = max(chunk // per, 1) * per
+  return chunk
+
+
+def _key(x: jax.Array) -> jax.Array:
+  """int32 keys of float32 x in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < inf < +NaN)."""
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _value(key: jax.Array) -> jax.Array:
+  """The float32 whose `_key` is key (the map is its own inverse on the bits)."""
+  return lax.bitcast_convert_type(jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key), jnp.float32)
+
+
+def _best(key: jax.Array, column: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  """Per row: the largest key and the lowest column holding it."""
+  best = jnp.max(key, axis=1)
+  return best, jnp.min(jnp.where(key == best[:, None], column, width), axis=1)
+
+
+def _iota(shape) -> jax.Array:
+  return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
+
+
+def _allowed_groups(choice_smem, chunk: int, experts: int, routing: TopkRouting) -> list[jax.Array]:
+  """Per group, per row: whether the group is among the topk_group whose best two keys sum highest. choice_smem
+  (chunks, 64, chunk): the biased scores, a chunk of whole groups each."""
+  per = experts // routing.n_group
+  column = _iota((BLOCK_TOKENS, per))
+  scores = []
+  for g in range(routing.n_group):
+    c, c0 = divmod(g * per, chunk)
+    choice = plgpu.load(choice_smem.at[c], layout=plgpu.Layout.WGMMA, optimized=False)
+    key = _key(choice[:, c0:c0 + per])
+    first, at = _best(key, column, per)
+    second = jnp.max(jnp.where(column == at[:, None], jnp.int32(TAKEN), key), axis=1)
+    s = _value(first) + _value(second)
+    scores.append(_key(jnp.where(s != s, -jnp.inf, s)))  # inf + -inf ranks last, whatever the NaN's sign
+  allowed = []
+  for g, mine in enumerate(scores):
+    beaten_by = [(theirs > mine) | (theirs == mine) if h < g else theirs > mine
+                 for h, theirs in enumerate(scores) if h != g]
+    rank = sum(b.astype(jnp.int32) for b in beaten_by)
+    allowed.append(rank < routing.topk_group)
+  return allowed
+
+
+def _masked_groups(key: jax.Array, allowed: list[jax.Array], c0: int, per: int) -> jax.Array:
+  """The keys of columns [c0, c0 + width) with those of the groups not allowed set to -inf's."""
+  width = key.shape[1]
+  parts = [jnp.where(allowed[g][:, None], key[:, g * per - c0:(g + 1) * per - c0], NEG_INF_KEY)
+           for g in range(c0 // per, (c0 + width) // per)]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _chunk_top_k(key: jax.Array, pick, k: int, offset: int, kp: int):
+  """The k best of one chunk of columns (64, C) of keys, in order: (keys, expert ids, picked weights), each (64, kp)
+  (slots past k hold the least key). `pick(hit)` is the weight of the one column `hit` marks in each row."""
+  width = key.shape[1]
+  column = _iota(key.shape)
+  slot = _iota((BLOCK_TOKENS, kp))
+  keys = plgpu.layout_cast(jnp.full((BLOCK_TOKENS, kp), TAKEN, jnp.int32), plgpu.Layout.WGMMA)
+  ids = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, kp), jnp.int32), plgpu.Layout.WGMMA)
+  weights = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, kp), jnp.float32), plgpu.Layout.WGMMA)
+  for r in range(k):
+    best, at = _best(key, column, width)
+    hit = column == at[:, None]
+    w = _value(best) if pick is None else pick(hit)
+    key = jnp.where(hit, jnp.int32(TAKEN), key)
+    keys = jnp.where(slot == r, best[:, None], keys)
+    ids = jnp.where(slot == r, (at + jnp.int32(offset))[:, None], ids)
+    weights = jnp.where(slot == r, w[:, None], weights)
+  return keys, ids, weights
+
+
+def _merge_top_k(parts, k: int, kp: int):
+  """The k best of the chunks' candidates, each chunk's (keys, ids, weights) in order, chunks in expert order: among
+  equal keys an earlier chunk, then an earlier slot, holds the lower expert, so taking the first of the equal ones
+  keeps `lax.top_k`'s tie rule (the lowest index)."""
+  if len(parts) == 1:
+    return parts[0][1:]
+  slot = _iota((BLOCK_TOKENS, kp))
+  keys = [part[0] for part in parts]
+  out_ids = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, kp), jnp.int32), plgpu.Layout.WGMMA)
+  out_weights = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, kp), jnp.float32), plgpu.Layout.WGMMA)
+  for r in range(k):
+    best = functools.reduce(jnp.maximum, [jnp.max(key, axis=1) for key in keys])
+    # row vectors derived from `best` (a constant has no layout): the count of chunks that held this round's expert
+    # (0 or 1), its id and weight
+    found = best - best
+    chosen_id = found
+    chosen_weight = lax.bitcast_convert_type(found, jnp.float32)
+    for i, (_, ids, weights) in enumerate(parts):
+      at = jnp.min(jnp.where(keys[i] == best[:, None], slot, kp), axis=1)
+      at = jnp.where(found > 0, jnp.int32(kp), at)  # an earlier chunk's expert is the lower one
+      hit = slot == at[:, None]
+      taken_here = at < kp
+      chosen_id = jnp.where(taken_here, jnp.max(jnp.where(hit, ids, jnp.int32(-1)), axis=1), chosen_id)
+      chosen_weight = jnp.where(taken_here, jnp.max(jnp.where(hit, weights, -jnp.inf), axis=1), chosen_weight)
+      keys[i] = jnp.where(hit, jnp.int32(TAKEN), keys[i])
+      found = found + taken_here.astype(jnp.int32)
+    out_ids = jnp.where(slot == r, chosen_id[:, None], out_ids)
+    out_weights = jnp.where(slot == r, chosen_weight[:, None], out_weights)
+  return out_ids, out_weights
+
+
+def route_topk(logits: jax.Array, correction_bias: jax.Array | None, *, routing: TopkRouting,
+               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """(ids int32 (T, k), weights float32 (T, k)) of logits (T, E); correction_bias float32 (E,) with scoring
+  "sigmoid", None with "softmax". The caller checks `problems`."""
+  t, e = logits.shape
+  k = routing.top_k
+  kp = pl.cdiv(k, 8) * 8
+  sigmoid = routing.scoring == "sigmoid"
+  chunk = chunk_columns(e, routing)
+  chunks = [(c, chunk) for c in range(0, e, chunk)]
+  # TMA reads the logits in (8, ...) tiles: more than 8 rows must be whole tiles
+  rows = t if t <= 8 or t % 8 == 0 else pl.cdiv(t, 8) * 8
+  if rows != t:
+    logits = jnp.pad(logits, ((0, rows - t), (0, 0)))
+  blocks = pl.cdiv(rows, BLOCK_TOKENS)
+
+  def body(*refs):
+    if sigmoid:
+      l_gmem, b_gmem, ids_gmem, w_gmem, l_smem, s_smem, c_smem, ids_smem, w_smem, barrier = refs
+    else:
+      l_gmem, ids_gmem, w_gmem, l_smem, s_smem, ids_smem, w_smem, barrier = refs
+    t0 = lax.axis_index("block") * BLOCK_TOKENS
+    plgpu.copy_gmem_to_smem(l_gmem.at[pl.ds(t0, BLOCK_TOKENS)], l_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+    values = load(l_smem).astype(jnp.float32)
+    # The values ranked (DeepSeek-V3's biased scores, Qwen3's probabilities) and those weighed (the unbiased scores,
+    # the probabilities) go to shared memory a chunk of columns each: each top-k pass reloads its chunk, so few
+    # registers stay live.
+    def stash(ref, x):
+      for c, (c0, width) in enumerate(chunks):
+        ref.at[c][...] = x[:, c0:c0 + width]
+
+    if sigmoid:
+      scores = 1.0 / (1.0 + jnp.exp(-values))
+      stash(s_smem, scores)
+      bias = plgpu.load(b_gmem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+      stash(c_smem, scores + bias[None, :])
+      ranked_smem = c_smem
+    else:
+      m = jnp.max(values, axis=1)
+      p = jnp.exp(values - m[:, None])
+      stash(s_smem, p / jnp.sum(p, axis=1)[:, None])
+      ranked_smem = s_smem
+    allowed = _allowed_groups(ranked_smem, chunk, e, routing) if sigmoid and routing.grouped else None
+    nan_row = None
+    parts = []
+    for c, (c0, width) in enumerate(chunks):
+      ranked = load(ranked_smem.at[c])
+      nan_here = jnp.max(jnp.where(ranked != ranked, 1, 0), axis=1)
+      nan_row = nan_here if nan_row is None else jnp.maximum(nan_row, nan_here)
+      key = jnp.maximum(_key(ranked), jnp.int32(TAKEN + 1))
+      if allowed is not None:
+        key = _masked_groups(key, allowed, c0, e // routing.n_group)
+      if sigmoid:
+        pick = lambda hit, c=c: jnp.max(jnp.where(hit, load(s_smem.at[c]), -jnp.inf), axis=1)
+      else:  # the weight is the ranked value itself
+        pick = None
+      parts.append(_chunk_top_k(key, pick, min(k, width), c0, kp))
+    ids, weights = _merge_top_k(parts, k, kp)
+    if routing.norm_topk_prob:
+      total = jnp.sum(weights, axis=1)
+      if sigmoid:
+        total = total + jnp.float32(1e-20)
+      weights = weights / total[:, None]
+    if sigmoid:
+      weights = weights * jnp.float32(routing.routed_scaling_factor)
+    weights = jnp.where((nan_row > 0)[:, None], jnp.float32(jnp.nan), weights)
+    ids_smem[...] = ids
+    w_smem[...] = weights
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(ids_smem, ids_gmem.at[pl.ds(t0, BLOCK_TOKENS)])
+    plgpu.copy_smem_to_gmem(w_smem, w_gmem.at[pl.ds(t0, BLOCK_TOKENS)])
+    plgpu.wait_smem_to_gmem(0)
+
+  stashed = plgpu.SMEM((len(chunks), BLOCK_TOKENS, chunk), jnp.float32)
+  scratch = [plgpu.SMEM((BLOCK_TOKENS, e), logits.dtype), stashed] + ([stashed] if sigmoid else [])
+  scratch += [plgpu.SMEM((BLOCK_TOKENS, kp), jnp.int32), plgpu.SMEM((BLOCK_TOKENS, kp), jnp.float32),
+              plgpu.Barrier()]
+  out_rows = blocks * BLOCK_TOKENS
+  interpret_params: Any = plgpu.InterpretGPUParams() if interpret else None
+  f = plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((out_rows, kp), jnp.int32), jax.ShapeDtypeStruct((out_rows, kp), jnp.float32)),
+      grid=(blocks,),
+      grid_names=("block",),
+      scratch_types=scratch,
+      interpret=interpret_params,
+  )
+  args = (logits, correction_bias.astype(jnp.float32)) if sigmoid else (logits,)
+  ids, weights = f(*args)
+  return ids[:t, :k], weights[:t, :k]
+
+
+__all__ = ["TopkRouting", "problems", "route_topk"]
