@@ -193,6 +193,25 @@ def _merge_top_k(parts, k: int, kp: int):
   return out_ids, out_weights
 
 
+def _stash(ref, x: jax.Array, chunk: int) -> None:
+  """x (64, E) into ref (E / chunk, 64, chunk), a chunk of columns each."""
+  for c in range(x.shape[1] // chunk):
+    ref.at[c][...] = x[:, c * chunk:(c + 1) * chunk]
+
+
+def _normalized(weights: jax.Array, nan_row: jax.Array, routing: TopkRouting) -> jax.Array:
+  """The chosen weights divided by their sum (DeepSeek-V3's plus 1e-20), scaled; NaN for a row holding a NaN."""
+  sigmoid = routing.scoring == "sigmoid"
+  if routing.norm_topk_prob:
+    total = jnp.sum(weights, axis=1)
+    if sigmoid:
+      total = total + jnp.float32(1e-20)
+    weights = weights / total[:, None]
+  if sigmoid:
+    weights = weights * jnp.float32(routing.routed_scaling_factor)
+  return jnp.where((nan_row > 0)[:, None], jnp.float32(jnp.nan), weights)
+
+
 def route_topk(logits: jax.Array, correction_bias: jax.Array | None, *, routing: TopkRouting,
                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """(ids int32 (T, k), weights float32 (T, k)) of logits (T, E); correction_bias float32 (E,) with scoring
@@ -202,7 +221,6 @@ def route_topk(logits: jax.Array, correction_bias: jax.Array | None, *, routing:
   kp = pl.cdiv(k, 8) * 8
   sigmoid = routing.scoring == "sigmoid"
   chunk = chunk_columns(e, routing)
-  chunks = [(c, chunk) for c in range(0, e, chunk)]
   # TMA reads the logits in (8, ...) tiles: more than 8 rows must be whole tiles
   rows = t if t <= 8 or t % 8 == 0 else pl.cdiv(t, 8) * 8
   if rows != t:
@@ -222,45 +240,33 @@ def route_topk(logits: jax.Array, correction_bias: jax.Array | None, *, routing:
     # The values ranked (DeepSeek-V3's biased scores, Qwen3's probabilities) and those weighed (the unbiased scores,
     # the probabilities) go to shared memory a chunk of columns each: each top-k pass reloads its chunk, so few
     # registers stay live.
-    def stash(ref, x):
-      for c, (c0, width) in enumerate(chunks):
-        ref.at[c][...] = x[:, c0:c0 + width]
-
     if sigmoid:
       scores = 1.0 / (1.0 + jnp.exp(-values))
-      stash(s_smem, scores)
+      _stash(s_smem, scores, chunk)
       bias = plgpu.load(b_gmem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-      stash(c_smem, scores + bias[None, :])
+      _stash(c_smem, scores + bias[None, :], chunk)
       ranked_smem = c_smem
     else:
       m = jnp.max(values, axis=1)
       p = jnp.exp(values - m[:, None])
-      stash(s_smem, p / jnp.sum(p, axis=1)[:, None])
+      _stash(s_smem, p / jnp.sum(p, axis=1)[:, None], chunk)
       ranked_smem = s_smem
     allowed = _allowed_groups(ranked_smem, chunk, e, routing) if sigmoid and routing.grouped else None
     nan_row = None
     parts = []
-    for c, (c0, width) in enumerate(chunks):
+    for c in range(e // chunk):
+      c0, width = c * chunk, chunk
       ranked = load(ranked_smem.at[c])
       nan_here = jnp.max(jnp.where(ranked != ranked, 1, 0), axis=1)
       nan_row = nan_here if nan_row is None else jnp.maximum(nan_row, nan_here)
       key = jnp.maximum(_key(ranked), jnp.int32(TAKEN + 1))
       if allowed is not None:
         key = _masked_groups(key, allowed, c0, e // routing.n_group)
-      if sigmoid:
-        pick = lambda hit, c=c: jnp.max(jnp.where(hit, load(s_smem.at[c]), -jnp.inf), axis=1)
-      else:  # the weight is the ranked value itself
-        pick = None
+      # the weight: the unbiased score (sigmoid), or the ranked value itself (softmax: None)
+      pick = (lambda hit, c=c: jnp.max(jnp.where(hit, load(s_smem.at[c]), -jnp.inf), axis=1)) if sigmoid else None
       parts.append(_chunk_top_k(key, pick, min(k, width), c0, kp))
     ids, weights = _merge_top_k(parts, k, kp)
-    if routing.norm_topk_prob:
-      total = jnp.sum(weights, axis=1)
-      if sigmoid:
-        total = total + jnp.float32(1e-20)
-      weights = weights / total[:, None]
-    if sigmoid:
-      weights = weights * jnp.float32(routing.routed_scaling_factor)
-    weights = jnp.where((nan_row > 0)[:, None], jnp.float32(jnp.nan), weights)
+    weights = _normalized(weights, nan_row, routing)
     ids_smem[...] = ids
     w_smem[...] = weights
     plgpu.commit_smem()
@@ -268,7 +274,7 @@ def route_topk(logits: jax.Array, correction_bias: jax.Array | None, *, routing:
     plgpu.copy_smem_to_gmem(w_smem, w_gmem.at[pl.ds(t0, BLOCK_TOKENS)])
     plgpu.wait_smem_to_gmem(0)
 
-  stashed = plgpu.SMEM((len(chunks), BLOCK_TOKENS, chunk), jnp.float32)
+  stashed = plgpu.SMEM((e // chunk, BLOCK_TOKENS, chunk), jnp.float32)
   scratch = [plgpu.SMEM((BLOCK_TOKENS, e), logits.dtype), stashed] + ([stashed] if sigmoid else [])
   scratch += [plgpu.SMEM((BLOCK_TOKENS, kp), jnp.int32), plgpu.SMEM((BLOCK_TOKENS, kp), jnp.float32),
               plgpu.Barrier()]
