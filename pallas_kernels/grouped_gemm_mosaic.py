@@ -49,6 +49,9 @@ from .gemm_mosaic_common import (BLOCK, SMEM_BYTES, WGMMA_M, Dim, MosaicGemmConf
 
 EPILOGUE_ROW_BYTES = 128  # one TMA-aligned shared-memory row per output row of an epilogue piece
 ITEM_FIELDS = 5  # batch, group, row block, lo, hi
+# Up to this many (item, row) pairs `ragged_items_from_rows` builds the table as one fused reduction, past it with a
+# scatter
+GATHERED_TABLE_MAX = 1 << 16
 ZERO_GROUP = -1
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -460,6 +463,11 @@ def ragged_items_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array
   num_items = ragged_num_items(r, num_groups, tile_m)
   fields = jnp.stack([jnp.zeros_like(rows), groups, rows // tile_m, rows, hi]).astype(jnp.int32)
   at = jnp.where(starts, index, num_items)  # rows that start no item: dropped
+  if num_items * r <= GATHERED_TABLE_MAX:
+    # each item is started by one row at most: one fused reduction picks it (a zero-filled table and a scatter into
+    # it would be two kernels)
+    hit = at[None, :] == jnp.arange(num_items, dtype=jnp.int32)[:, None]
+    return jnp.sum(jnp.where(hit[None], fields[:, None, :], 0), axis=2, dtype=jnp.int32)
   return jnp.zeros((ITEM_FIELDS, num_items), jnp.int32).at[:, at].set(fields, mode="drop")
 
 

@@ -532,9 +532,12 @@ def test_work_items_cover_every_row_once(rng, tile_m, zero_unowned_rows):
 
 
 @pytest.mark.parametrize("tile_m", [64, 4])
-def test_items_from_sorted_rows_are_the_ragged_items(rng, tile_m):
+@pytest.mark.parametrize("gathered", [True, False])
+def test_items_from_sorted_rows_are_the_ragged_items(rng, tile_m, gathered, monkeypatch):
   """`ragged_items_from_rows` (the MoE dispatch's table, from each row's group and sorted position) lists the work
-  items `ragged_items` lists from the group sizes, in the same order; its padding items are empty."""
+  items `ragged_items` lists from the group sizes, in the same order; its padding items are empty. Both forms: one
+  fused reduction (few rows) and the scatter."""
+  monkeypatch.setattr(ggm, "GATHERED_TABLE_MAX", 1 << 30 if gathered else 0)
   for _ in range(40):
     n, e = int(rng.integers(1, 80)), int(rng.integers(1, 20))
     ids = rng.integers(-2, e + 2, n)

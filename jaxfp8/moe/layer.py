@@ -93,7 +93,9 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     same_earlier = (key[None, :] == key[:, None]) & earlier
     rank = jnp.sum((key[None, :] < key[:, None]) | same_earlier, axis=1, dtype=jnp.int32)
     within = jnp.sum(same_earlier, axis=1, dtype=jnp.int32)  # the same reduction's sibling: one fused kernel
-    order = _inverse(rank)
+    # the slot at each row, as one fused reduction over (R, R) (a scatter would be a zero fill and a scatter kernel)
+    order = jnp.sum(jnp.where(rank[None, :] == lax.broadcasted_iota(jnp.int32, (n, n), 0),
+                              lax.broadcasted_iota(jnp.int32, (n, n), 1), 0), axis=1, dtype=jnp.int32)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
   elif (experts + 1) * n <= COUNTING_MAX_ENTRIES:
     buckets = jnp.arange(experts + 1, dtype=jnp.int32)
