@@ -130,8 +130,14 @@ def test_leading_shapes_vmap_and_gradient(rng):
 def test_the_plan_says_which_runs_and_why():
   logits = jax.ShapeDtypeStruct((4096, 256), jnp.float32)
   hopper = fake_device((9, 0))
-  chosen = DEEPSEEK.explain(logits, device=hopper, interpret=False)
-  assert chosen.implementation == "mosaic" and "one Mosaic GPU kernel" in str(chosen)
+  for router in (DEEPSEEK, QWEN3):
+    least = routing.MOSAIC_MIN_TOKENS[router.kernel_routing().scoring]
+    for tokens in (1, 63, 64, 4096):
+      chosen = router.explain(jax.ShapeDtypeStruct((tokens, 256), jnp.float32), device=hopper, interpret=False)
+      if least is not None and tokens >= least:
+        assert chosen.implementation == "mosaic" and "one Mosaic GPU kernel" in str(chosen)
+      else:
+        assert chosen.implementation == "xla" and ("tokens <" in chosen.reason or "not been measured" in chosen.reason)
   assert DEEPSEEK.explain(logits, device=fake_device(None)).implementation == "xla"
   assert DEEPSEEK.explain(logits, device=fake_device((8, 9)), interpret=False).implementation == "xla"
   too_many = jax.ShapeDtypeStruct((4, 512), jnp.float32)

@@ -28,9 +28,11 @@ from jaxfp8 import _transforms as transforms
 
 KERNEL_MODULE = "pallas_kernels.route_topk_mosaic"
 IMPLEMENTATIONS = ("mosaic", "xla")
-# From this many tokens the Mosaic router runs by default, per scoring. The kernel's time is nearly flat in the
-# tokens (one CTA per 64, each a serial chain of row reductions), XLA's grows with them from a few small kernels.
-MOSAIC_MIN_TOKENS = {"sigmoid": 1, "softmax": 64}
+# From this many tokens the Mosaic router runs by default, per scoring (None: not by default, until measured faster
+# on the H200). The kernel's time is nearly flat in the tokens (one CTA per 64, each a serial chain of row
+# reductions: 5.6 us for Qwen3's 128 experts on an H100), XLA's grows with them from a few small kernels (4.7 us at
+# 1 token, 10.8 at 64, 22.4 at 4096).
+MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": None}
 
 
 # The most comparisons a compare-and-count choice (`_top_k` here, the layer's dispatch) makes in one call: the largest
@@ -125,7 +127,11 @@ def plan(router, tokens: int, experts: int, dtype, implementation: str | None = 
                        "top-k (name implementation='mosaic' to interpret the kernel)")
     if why:
       return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k (the Mosaic router cannot run: {why})")
-    if tokens < (least := MOSAIC_MIN_TOKENS[spec.scoring]):
+    least = MOSAIC_MIN_TOKENS[spec.scoring]
+    if least is None:
+      return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k (the Mosaic router's {spec.scoring} "
+                       "scoring has not been measured faster on the H200; implementation='mosaic' runs it)")
+    if tokens < least:
       return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k ({tokens} tokens < {least}: its few "
                        "kernels beat the Mosaic router's one)")
     return RoutePlan("mosaic", spec, interpret, f"Hopper GPU {device.describe()}: one Mosaic GPU kernel for the "
