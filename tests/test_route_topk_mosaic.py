@@ -181,3 +181,20 @@ def test_gpu_matches_xla(rng, t):
   _assert_same_choice(DEEPSEEK, logits, bias, interpret=False)
   _assert_same_choice(QWEN3, logits[:, :128].astype(jnp.bfloat16), None, interpret=False)
   assert DEEPSEEK.explain(logits).implementation == routing.plan(DEEPSEEK, t, 256, jnp.float32).implementation
+
+
+def test_group_scores_are_the_two_best_summed(rng, monkeypatch):
+  """XLA's group score: the largest sum over pairs of distinct entries (one fused reduction) equals the two best's
+  sum, bit for bit, ties and infinities included (a NaN sum ranks last); past PAIRWISE_MAX_COMPARES, the two best by
+  the top-k, then their sum."""
+  values = np.array([-np.inf, -1.5, 0.0, 0.25, 0.25, 3.0, np.inf], np.float32)
+  grouped = np.concatenate([values[rng.integers(0, 7, (40, 8, 32))],
+                            (rng.standard_normal((40, 8, 32)) * 3).astype(np.float32)])
+  top2 = -np.sort(-grouped.astype(np.float64), axis=-1)[..., :2].astype(np.float32)
+  with np.errstate(invalid="ignore"):
+    want = top2[..., 0] + top2[..., 1]
+  want = np.where(np.isnan(want), -np.inf, want)
+  for limit in (routing.PAIRWISE_MAX_COMPARES, 0):
+    monkeypatch.setattr(routing, "PAIRWISE_MAX_COMPARES", limit)
+    got = np.asarray(jax.jit(lambda g: routing._two_best_summed(g))(jnp.asarray(grouped)))  # traced anew
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))

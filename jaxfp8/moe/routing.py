@@ -174,6 +174,21 @@ def _route(router, p: RoutePlan, logits: jax.Array, bias: jax.Array | None) -> t
   return route(logits, jnp.zeros((logits.shape[-1],), jnp.float32) if bias is None else bias)
 
 
+def _two_best_summed(grouped: jax.Array) -> jax.Array:
+  """Each group's two best values summed (..., G, n) -> (..., G); a NaN sum (inf + -inf: bias entries of both signs)
+  ranks last on every platform (-inf), not by the sign of the NaN it makes. With few values, the largest sum over
+  pairs of distinct entries: float addition is monotone in each operand, so that is the two best's sum, bit for bit,
+  in one fused reduction (a pair making NaN drops out; a token holding a NaN gets NaN weights whatever its group
+  scores, §8). With more, the two best by `_top_k`, then their sum."""
+  n = grouped.shape[-1]
+  if grouped.size * n > PAIRWISE_MAX_COMPARES:
+    s = _top_k(grouped, 2, grouped)[1].sum(-1)
+    return jnp.where(jnp.isnan(s), -jnp.inf, s)
+  pairs = grouped[..., :, None] + grouped[..., None, :]
+  distinct = lax.broadcasted_iota(jnp.int32, (n, n), 0) != lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return jnp.max(jnp.where(distinct & ~jnp.isnan(pairs), pairs, -jnp.inf), axis=(-2, -1))
+
+
 def _token_rows(router: str, logits) -> tuple[tuple[int, ...], int]:
   """(the tokens' leading shape, E) of logits (..., E), checked."""
   _checks.array("logits", logits, _checks.FLOAT_DTYPES, ndim=None)
@@ -273,9 +288,7 @@ class DeepSeekV3Router:
     t = scores.shape[0]
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(t, self.n_group, e // self.n_group)
-    group_scores = _top_k(grouped, 2, grouped)[1].sum(-1)
-    # inf + (-inf) (bias entries of both signs) ranks last on every platform, not by the sign of the NaN it makes.
-    group_scores = jnp.where(jnp.isnan(group_scores), -jnp.inf, group_scores)
+    group_scores = _two_best_summed(grouped)
     group_ids = _top_k(group_scores, self.topk_group)[0]
     allowed = jnp.any(group_ids[:, :, None] == jnp.arange(self.n_group, dtype=jnp.int32), axis=1)
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
