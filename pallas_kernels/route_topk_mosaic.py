@@ -4,14 +4,16 @@ their weights, in one kernel.
 DeepSeek-V3's router (sigmoid scores, a correction bias for the choice only, the `topk_group` of `n_group` expert
 groups whose two best biased scores sum highest, normalized weights times a scaling factor) and Qwen3-MoE's (softmax,
 top k, renormalized) are chains of small reductions: XLA runs each as its own kernel (about ten at one token), where
-this kernel holds a block of 64 tokens as a (64, E) register array (one token a row, its experts along the row) and
-does the whole chain with row reductions:
+this kernel takes a block of 64 tokens (one token a row, its experts along the row), stages the values it ranks and
+weighs in shared memory in chunks of up to 128 columns (whole groups), and does the whole chain with row reductions
+on (64, chunk) register arrays:
 
   - a group's score is its best two keys (the key of a float is its IEEE total order as an int32, the order
     `lax.top_k` ranks by), summed as floats; a NaN sum ranks last; the groups are ranked by comparing their scores
     pairwise (ties to the lower group), and the experts of the groups ranked past topk_group are masked to -inf;
-  - the k experts are taken in k rounds: the largest key of the row, the lowest expert holding it (ties to the lower
-    index), its weight picked exactly from the scores, its key replaced by one below every other key;
+  - each chunk's k best are taken in k rounds: the largest key of the row, the lowest expert holding it (ties to the
+    lower index), its weight picked exactly from the scores, its key replaced by one below every other key; the
+    chunks' candidates are then merged in k more rounds (an earlier chunk wins a tie);
   - a token whose values hold a NaN gets NaN weights (its ids stay k distinct experts).
 
 The ids are `lax.top_k`'s on the same values, bit for bit; the weights differ from XLA's by the rounding of `exp`
@@ -33,7 +35,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 BLOCK_TOKENS = 64  # rows of a warpgroup's (64, N) register tile
-MAX_EXPERTS = 256  # (64, E) int32 keys take E / 2 registers a thread; past 256 they would spill
+MAX_EXPERTS = 256  # the logits and up to two staged (64, E) float32 copies fit in shared memory
 TAKEN = -(2 ** 31)  # the key of a taken expert: below every key a value can have (keys are clamped above it)
 NEG_INF_KEY = -2139095041  # the key of -inf
 CHUNK = 128  # the columns one top-k pass holds: (64, 128) int32 keys take 64 registers a thread
@@ -137,7 +139,7 @@ def _allowed_groups(choice_smem, chunk: int, experts: int, routing: TopkRouting)
 def _masked_groups(key: jax.Array, allowed: list[jax.Array], c0: int, per: int) -> jax.Array:
   """The keys of columns [c0, c0 + width) with those of the groups not allowed set to -inf's."""
   width = key.shape[1]
-  parts = [jnp.where(allowed[g][:, None], key[:, g * per - c0:(g + 1) * per - c0], NEG_INF_KEY)
+  parts = [jnp.where(allowed[g][:, None], key[:, g * per - c0:(g + 1) * per - c0], jnp.int32(NEG_INF_KEY))
            for g in range(c0 // per, (c0 + width) // per)]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 

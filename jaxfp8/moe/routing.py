@@ -8,7 +8,7 @@ whose routing values hold a NaN gets NaN for every one of its weights (§8).
 Two implementations of the choice after the logits (`plan` picks, `Router.explain` says which and why): "xla", the
 compare-and-count top-k below (a chain of small fused reductions: about ten kernels for DeepSeek-V3's router at one
 token), and "mosaic", one Mosaic GPU kernel for the whole chain (pallas_kernels/route_topk_mosaic.py), the default
-on Hopper where it takes the problem. Both give `lax.top_k`'s ids on the same values; the weights may differ by the
+on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the problem. Both give `lax.top_k`'s ids on the same values; the weights may differ by the
 rounding of each one's exp and k-term sum (§8: weights to float32 rounding). Both are differentiable in the logits
 (the Mosaic one through the XLA weights of the ids it chose) and take `jax.vmap`."""
 
@@ -212,8 +212,26 @@ def _rounded(x: jax.Array) -> jax.Array:
   return x if jnp.dtype(x.dtype) == jnp.float32 else lax.optimization_barrier(x)
 
 
+class _Routed:
+  """What both routers do alike around their own choice: plan it, run it on (T, E) logits, reshape back."""
+
+  def explain(self, logits, *, implementation: str | None = None, interpret: bool | None = None,
+              device: _platform.Device | None = None) -> RoutePlan:
+    """The plan a call on logits of this shape and dtype (an array or `jax.ShapeDtypeStruct`) runs, and why."""
+    lead, e = _token_rows(type(self).__name__, logits)
+    self.validate(e)
+    return plan(self, math.prod(lead), e, logits.dtype, implementation, interpret, device)
+
+  def _run(self, logits, correction_bias, implementation, interpret) -> tuple[jax.Array, jax.Array]:
+    """(ids, weights) of checked logits (..., E) in their leading shape."""
+    lead, e = tuple(logits.shape[:-1]), logits.shape[-1]
+    p = plan(self, math.prod(lead), e, logits.dtype, implementation, interpret)
+    ids, weights = _route(self, p, logits.reshape(-1, e), correction_bias)
+    return ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+
+
 @dataclasses.dataclass(frozen=True)
-class DeepSeekV3Router:
+class DeepSeekV3Router(_Routed):
   """DeepSeek-V3 / R1: sigmoid scores, a score-correction bias for the choice only, grouped top-k (the topk_group
   groups of n_group whose two best biased scores sum highest), normalized weights times routed_scaling_factor.
   Defaults are DeepSeek-V3's config.json."""
@@ -257,13 +275,6 @@ class DeepSeekV3Router:
     return _kernel().TopkRouting("sigmoid", self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
                                  float(self.routed_scaling_factor))
 
-  def explain(self, logits, *, implementation: str | None = None, interpret: bool | None = None,
-              device: _platform.Device | None = None) -> RoutePlan:
-    """The plan a call on logits of this shape and dtype (an array or `jax.ShapeDtypeStruct`) runs, and why."""
-    lead, e = _token_rows("DeepSeekV3Router", logits)
-    self.validate(e)
-    return plan(self, math.prod(lead), e, logits.dtype, implementation, interpret, device)
-
   def __call__(self, logits: jax.Array, correction_bias: jax.Array | None, *, implementation: str | None = None,
                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """logits (..., E), correction_bias (E,) -> (ids int32 (..., top_k), weights float32 (..., top_k)).
@@ -277,9 +288,7 @@ class DeepSeekV3Router:
     if tuple(correction_bias.shape) != (e,):
       raise ValueError(f"correction_bias must have shape (E,) = ({e},), one per expert of logits of shape "
                        f"{tuple(logits.shape)}, got {tuple(correction_bias.shape)}")
-    p = plan(self, math.prod(lead), e, logits.dtype, implementation, interpret)
-    ids, weights = _route(self, p, logits.reshape(-1, e), correction_bias.astype(jnp.float32))
-    return ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+    return self._run(logits, correction_bias.astype(jnp.float32), implementation, interpret)
 
   def choose(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """XLA's choice on checked logits (T, E) and correction_bias (E,)."""
@@ -293,9 +302,11 @@ class DeepSeekV3Router:
     allowed = jnp.any(group_ids[:, :, None] == jnp.arange(self.n_group, dtype=jnp.int32), axis=1)
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
     ids = _top_k(masked, self.top_k)[0].astype(jnp.int32)
-    return ids, _nan_tokens_get_nan(choice, self.weights_of(logits, correction_bias, ids))
+    return ids, _nan_tokens_get_nan(choice, self._picked(scores, ids))
 
-  def _normalized(self, weights: jax.Array) -> jax.Array:
+  def _picked(self, scores: jax.Array, ids: jax.Array) -> jax.Array:
+    """The chosen experts' scores, gathered (exact values, differentiable), normalized and scaled."""
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if self.norm_topk_prob:
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return weights * jnp.float32(self.routed_scaling_factor)
@@ -304,12 +315,11 @@ class DeepSeekV3Router:
     """The weights of the experts `ids` (T, k) chose from logits (T, E): their scores, gathered (differentiable in
     the logits, exact values), normalized."""
     del correction_bias  # it moves the choice only
-    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
-    return self._normalized(jnp.take_along_axis(scores, ids, axis=-1))
+    return self._picked(jax.nn.sigmoid(logits.astype(jnp.float32)), ids)
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeRouter:
+class Qwen3MoeRouter(_Routed):
   """Qwen3-MoE: softmax over the experts, the top_k, renormalized with norm_topk_prob. Defaults are
   Qwen3-30B-A3B's config.json."""
   top_k: int = 8
@@ -332,13 +342,6 @@ class Qwen3MoeRouter:
   def kernel_routing(self):
     return _kernel().TopkRouting("softmax", self.top_k, norm_topk_prob=self.norm_topk_prob)
 
-  def explain(self, logits, *, implementation: str | None = None, interpret: bool | None = None,
-              device: _platform.Device | None = None) -> RoutePlan:
-    """The plan a call on logits of this shape and dtype (an array or `jax.ShapeDtypeStruct`) runs, and why."""
-    lead, e = _token_rows("Qwen3MoeRouter", logits)
-    self.validate(e)
-    return plan(self, math.prod(lead), e, logits.dtype, implementation, interpret, device)
-
   def __call__(self, logits: jax.Array, correction_bias: jax.Array | None = None, *,
                implementation: str | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """logits (..., E) -> (ids int32 (..., top_k), weights float32 (..., top_k)). Qwen3 has no correction bias.
@@ -348,25 +351,24 @@ class Qwen3MoeRouter:
       raise ValueError("Qwen3MoeRouter takes no correction_bias (that is DeepSeek-V3's router), got an array of "
                        f"shape {tuple(getattr(correction_bias, 'shape', ()))}")
     self.validate(e)
-    p = plan(self, math.prod(lead), e, logits.dtype, implementation, interpret)
-    ids, weights = _route(self, p, logits.reshape(-1, e), None)
-    return ids.reshape(*lead, self.top_k), weights.reshape(*lead, self.top_k)
+    return self._run(logits, None, implementation, interpret)
 
   def choose(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
     """XLA's choice on checked logits (T, E)."""
     del correction_bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     ids = _top_k(probs, self.top_k)[0].astype(jnp.int32)
-    return ids, _nan_tokens_get_nan(probs, self.weights_of(logits, None, ids))
+    return ids, _nan_tokens_get_nan(probs, self._picked(probs, ids))
 
-  def _normalized(self, weights: jax.Array) -> jax.Array:
+  def _picked(self, probs: jax.Array, ids: jax.Array) -> jax.Array:
+    """The chosen experts' probabilities, gathered (exact values, differentiable), renormalized."""
+    weights = jnp.take_along_axis(probs, ids, axis=-1)
     return weights / weights.sum(-1, keepdims=True) if self.norm_topk_prob else weights
 
   def weights_of(self, logits: jax.Array, correction_bias, ids: jax.Array) -> jax.Array:
     """The weights of the experts `ids` (T, k) chose from logits (T, E) (differentiable in the logits)."""
     del correction_bias
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    return self._normalized(jnp.take_along_axis(probs, ids, axis=-1))
+    return self._picked(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), ids)
 
 
 Router = DeepSeekV3Router | Qwen3MoeRouter

@@ -389,7 +389,7 @@ def _time_other_route(layer: Layer, values, time_us, record) -> None:
   """The route step again on the router implementation its plan did not pick, on the same inputs: its time, as
   "route_<implementation>", and whether it chose the same ids (weights_max_diff: the largest weight difference)."""
   router = _router(layer)
-  logits = jax.ShapeDtypeStruct((values["x"].shape[0], layer.total_experts), jnp.float32)
+  logits = jax.eval_shape(router.logits, values["x"], values["gate_weight"])  # the routed logits' shape and dtype
   other = "xla" if router.explain(logits).implementation == "mosaic" else "mosaic"
   try:
     fn = jax.jit(_route_fn(layer, other))
