@@ -8,9 +8,10 @@ whose routing values hold a NaN gets NaN for every one of its weights (§8).
 Two implementations of the choice after the logits (`plan` picks, `Router.explain` says which and why): "xla", the
 compare-and-count top-k below (a chain of small fused reductions: about ten kernels for DeepSeek-V3's router at one
 token), and "mosaic", one Mosaic GPU kernel for the whole chain (pallas_kernels/route_topk_mosaic.py), the default
-on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the problem. Both give `lax.top_k`'s ids on the same values; the weights may differ by the
-rounding of each one's exp and k-term sum (§8: weights to float32 rounding). Both are differentiable in the logits
-(the Mosaic one through the XLA weights of the ids it chose) and take `jax.vmap`."""
+on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the problem (Qwen3's softmax router; DeepSeek-V3's is slower
+than XLA's). Both give `lax.top_k`'s ids on the same values; the weights may differ by the rounding of each one's
+exp and k-term sum (§8: weights to float32 rounding). Both are differentiable in the logits (the Mosaic one
+through the XLA weights of the ids it chose) and take `jax.vmap`."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ from jaxfp8 import _transforms as transforms
 
 KERNEL_MODULE = "pallas_kernels.route_topk_mosaic"
 IMPLEMENTATIONS = ("mosaic", "xla")
-# From this many tokens the Mosaic router runs by default, per scoring (None: not by default, until measured faster
-# on the H200). The kernel's time is nearly flat in the tokens (one CTA per 64, each a serial chain of row
-# reductions: 5.6 us for Qwen3's 128 experts on an H100), XLA's grows with them from a few small kernels (4.7 us at
-# 1 token, 10.8 at 64, 22.4 at 4096).
-MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": None}
+# From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
+# scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
+# XLA's 5.4 / 5.8 / 7.1 / 14.3 / 21.7 at 1 / 8 / 64 / 512 / 4096 tokens (level at 8, 1.2x faster at 64, 3x at 4096).
+# DeepSeek-V3's sigmoid over 256 experts in two chunks takes 42 us at every T, slower than XLA's 10-39 us: the
+# chunks' serial rounds and merge, 64 values a thread each.
+MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": 8}
 
 
 # The most comparisons a compare-and-count choice (`_top_k` here, the layer's dispatch) makes in one call: the largest
@@ -130,10 +132,11 @@ def plan(router, tokens: int, experts: int, dtype, implementation: str | None = 
     least = MOSAIC_MIN_TOKENS[spec.scoring]
     if least is None:
       return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k (the Mosaic router's {spec.scoring} "
-                       "scoring has not been measured faster on the H200; implementation='mosaic' runs it)")
+                       "scoring is slower than XLA's at every token count measured on the H200; "
+                       "implementation='mosaic' runs it)")
     if tokens < least:
       return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k ({tokens} tokens < {least}: its few "
-                       "kernels beat the Mosaic router's one)")
+                       "kernels are level with the Mosaic router's one)")
     return RoutePlan("mosaic", spec, interpret, f"Hopper GPU {device.describe()}: one Mosaic GPU kernel for the "
                      f"whole choice of {tokens} tokens (XLA runs it as a chain of small reductions, a kernel each)")
   if why:
