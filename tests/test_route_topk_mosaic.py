@@ -162,7 +162,7 @@ def test_problems_name_what_the_kernel_cannot_take():
 
 @pytest.mark.parametrize("router, e, dtype, t", [(DEEPSEEK, 256, jnp.float32, 4096), (DEEPSEEK, 256, jnp.float32, 1),
                                                  (QWEN3, 128, jnp.bfloat16, 1), (QWEN3, 128, jnp.bfloat16, 100),
-                                                 # rows of 160 and 16 bytes: a 32-byte swizzle, and none
+                                                 # odd widths: one chunk of 40 float32 experts, 8 bfloat16 ones
                                                  (routing.Qwen3MoeRouter(top_k=4), 40, jnp.float32, 5),
                                                  (routing.Qwen3MoeRouter(top_k=2), 8, jnp.bfloat16, 3)])
 def test_lowers_for_an_h200_as_one_kernel(router, e, dtype, t):

@@ -32,8 +32,8 @@ IMPLEMENTATIONS = ("mosaic", "xla")
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
 # scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
 # XLA's 5.4 / 5.8 / 7.1 / 14.3 / 21.7 at 1 / 8 / 64 / 512 / 4096 tokens (level at 8, 1.2x faster at 64, 3x at 4096).
-# DeepSeek-V3's sigmoid over 256 experts in two chunks takes 42 us at every T, slower than XLA's 10-39 us: the
-# chunks' serial rounds and merge, 64 values a thread each.
+# DeepSeek-V3's sigmoid over 256 experts takes 42 us at every T, slower than XLA's 10-39 us (its two 128-column
+# chunks cost 4x one; WORKSPACE.md has what was ruled out).
 MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": 8}
 
 
