@@ -12,8 +12,9 @@ on (64, chunk) register arrays:
     `lax.top_k` ranks by), summed as floats; a NaN sum ranks last; the groups are ranked by comparing their scores
     pairwise (ties to the lower group), and the experts of the groups ranked past topk_group are masked to -inf;
   - each chunk's k best are taken in k rounds: the largest key of the row, the lowest expert holding it (ties to the
-    lower index), its weight picked exactly from the scores, its key replaced by one below every other key; the
-    chunks' candidates are then merged in k more rounds (an earlier chunk wins a tie);
+    lower index), its weight picked exactly from the scores, its key replaced by one below every other key; past
+    128 experts the chunks run in a loop, each chunk's k best merged into a running k best in k more rounds (an
+    earlier chunk wins a tie);
   - a token whose values hold a NaN gets NaN weights (its ids stay k distinct experts).
 
 The ids are `lax.top_k`'s on the same values, bit for bit; the weights differ from XLA's by the rounding of `exp`
@@ -136,14 +137,6 @@ def _allowed_groups(choice_smem, chunk: int, experts: int, routing: TopkRouting)
   return allowed
 
 
-def _masked_groups(key: jax.Array, allowed: list[jax.Array], c0: int, per: int) -> jax.Array:
-  """The keys of columns [c0, c0 + width) with those of the groups not allowed set to -inf's."""
-  width = key.shape[1]
-  parts = [jnp.where(allowed[g][:, None], key[:, g * per - c0:(g + 1) * per - c0], jnp.int32(NEG_INF_KEY))
-           for g in range(c0 // per, (c0 + width) // per)]
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-
-
 def _chunk_top_k(key: jax.Array, pick, k: int, offset: int, kp: int):
   """The k best of one chunk of columns (64, C) of keys, in order: (keys, expert ids, picked weights), each (64, kp)
   (slots past k hold the least key). `pick(hit)` is the weight of the one column `hit` marks in each row."""
@@ -165,34 +158,56 @@ def _chunk_top_k(key: jax.Array, pick, k: int, offset: int, kp: int):
 
 
 def _merge_top_k(parts, k: int, kp: int):
-  """The k best of the chunks' candidates, each chunk's (keys, ids, weights) in order, chunks in expert order: among
-  equal keys an earlier chunk, then an earlier slot, holds the lower expert, so taking the first of the equal ones
-  keeps `lax.top_k`'s tie rule (the lowest index)."""
-  if len(parts) == 1:
-    return parts[0][1:]
+  """The k best of the parts' candidates, each part's (keys, ids, weights) in order, parts in expert order: among
+  equal keys an earlier part, then an earlier slot, holds the lower expert, so taking the first of the equal ones
+  keeps `lax.top_k`'s tie rule (the lowest index). Returns (keys, ids, weights), each (64, kp)."""
   slot = _iota((BLOCK_TOKENS, kp))
   keys = [part[0] for part in parts]
+  out_keys = plgpu.layout_cast(jnp.full((BLOCK_TOKENS, kp), TAKEN, jnp.int32), plgpu.Layout.WGMMA)
   out_ids = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, kp), jnp.int32), plgpu.Layout.WGMMA)
   out_weights = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, kp), jnp.float32), plgpu.Layout.WGMMA)
   for r in range(k):
     best = functools.reduce(jnp.maximum, [jnp.max(key, axis=1) for key in keys])
-    # row vectors derived from `best` (a constant has no layout): the count of chunks that held this round's expert
+    # row vectors derived from `best` (a constant has no layout): the count of parts that held this round's expert
     # (0 or 1), its id and weight
     found = best - best
     chosen_id = found
     chosen_weight = lax.bitcast_convert_type(found, jnp.float32)
     for i, (_, ids, weights) in enumerate(parts):
       at = jnp.min(jnp.where(keys[i] == best[:, None], slot, kp), axis=1)
-      at = jnp.where(found > 0, jnp.int32(kp), at)  # an earlier chunk's expert is the lower one
+      at = jnp.where(found > 0, jnp.int32(kp), at)  # an earlier part's expert is the lower one
       hit = slot == at[:, None]
       taken_here = at < kp
       chosen_id = jnp.where(taken_here, jnp.max(jnp.where(hit, ids, jnp.int32(-1)), axis=1), chosen_id)
       chosen_weight = jnp.where(taken_here, jnp.max(jnp.where(hit, weights, -jnp.inf), axis=1), chosen_weight)
       keys[i] = jnp.where(hit, jnp.int32(TAKEN), keys[i])
       found = found + taken_here.astype(jnp.int32)
+    out_keys = jnp.where(slot == r, best[:, None], out_keys)
     out_ids = jnp.where(slot == r, chosen_id[:, None], out_ids)
     out_weights = jnp.where(slot == r, chosen_weight[:, None], out_weights)
-  return out_ids, out_weights
+  return out_keys, out_ids, out_weights
+
+
+def _nan_rows(x: jax.Array) -> jax.Array:
+  """Per row of x: 1 where it holds a NaN, else 0 (int32: no bool row vectors in the kernel's arithmetic)."""
+  return jnp.max(jnp.where(x != x, 1, 0), axis=1)
+
+
+def _mask_groups(ranked_smem, allowed: list[jax.Array], experts: int, n_group: int) -> jax.Array:
+  """Sets the ranked values of the groups not allowed to -inf in place (its key is the one such a group's experts
+  rank by: below every allowed expert's). ranked_smem (chunks, 64, chunk), a chunk of whole groups each. Returns
+  `_nan_rows` of the values before masking (a token with a NaN in a masked group still gets NaN weights)."""
+  chunks, _, chunk = ranked_smem.shape
+  per = experts // n_group
+  nan_row = None
+  for c in range(chunks):
+    ranked = plgpu.load(ranked_smem.at[c], layout=plgpu.Layout.WGMMA, optimized=False)
+    nan_here = _nan_rows(ranked)
+    nan_row = nan_here if nan_row is None else jnp.maximum(nan_row, nan_here)
+    parts = [jnp.where(allowed[g][:, None], ranked[:, g * per - c * chunk:(g + 1) * per - c * chunk], -jnp.inf)
+             for g in range(c * chunk // per, (c + 1) * chunk // per)]
+    ranked_smem.at[c][...] = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+  return nan_row
 
 
 def _stash(ref, x: jax.Array, chunk: int) -> None:
@@ -212,6 +227,44 @@ def _normalized(weights: jax.Array, nan_row: jax.Array, routing: TopkRouting) ->
   if sigmoid:
     weights = weights * jnp.float32(routing.routed_scaling_factor)
   return jnp.where((nan_row > 0)[:, None], jnp.float32(jnp.nan), weights)
+
+
+def _top_k_of_chunks(ranked_smem, weighed_smem, experts: int, kp: int, routing: TopkRouting):
+  """(ids, weights, NaN rows) of the k best experts per row: ranked_smem (chunks, 64, chunk) holds the values ranked,
+  weighed_smem the weights picked (DeepSeek-V3's unbiased scores; None: the ranked values themselves)."""
+  k, chunk = routing.top_k, ranked_smem.shape[2]
+  load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+  nan_row = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS,), jnp.int32), plgpu.Layout.WGMMA.reduce(1))
+  if routing.scoring == "sigmoid" and routing.grouped:
+    allowed = _allowed_groups(ranked_smem, chunk, experts, routing)
+    nan_row = _mask_groups(ranked_smem, allowed, experts, routing.n_group)
+
+  def chunk_best(c, nan_row):
+    """The k best of chunk c (traced in the loop over chunks) and the NaN rows seen so far."""
+    ranked = load(ranked_smem.at[c])
+    nan_row = jnp.maximum(nan_row, _nan_rows(ranked))
+    key = jnp.maximum(_key(ranked), jnp.int32(TAKEN + 1))
+    pick = None if weighed_smem is None else (
+        lambda hit: jnp.max(jnp.where(hit, load(weighed_smem.at[c]), -jnp.inf), axis=1))
+    return _chunk_top_k(key, pick, min(k, chunk), c * chunk, kp), nan_row
+
+  if experts == chunk:
+    (_, ids, weights), nan_row = chunk_best(0, nan_row)
+    return ids, weights, nan_row
+
+  # One chunk's code in a loop, its k best merged into a running k best (earlier chunks hold the lower experts, so
+  # the running set goes first): the chunks' chains cannot interleave and hold registers side by side (unrolled,
+  # they spilled 464 bytes and took 1.2x as long).
+  def step(c, carry):
+    running, nan_row = carry
+    part, nan_row = chunk_best(c, nan_row)
+    return _merge_top_k([running, part], k, kp), nan_row
+
+  empty = (jnp.full((BLOCK_TOKENS, kp), TAKEN, jnp.int32), jnp.zeros((BLOCK_TOKENS, kp), jnp.int32),
+           jnp.zeros((BLOCK_TOKENS, kp), jnp.float32))
+  empty = tuple(plgpu.layout_cast(x, plgpu.Layout.WGMMA) for x in empty)
+  (_, ids, weights), nan_row = lax.fori_loop(0, experts // chunk, step, (empty, nan_row))
+  return ids, weights, nan_row
 
 
 def route_topk(logits: jax.Array, correction_bias: jax.Array | None, *, routing: TopkRouting,
@@ -253,21 +306,7 @@ def route_topk(logits: jax.Array, correction_bias: jax.Array | None, *, routing:
       p = jnp.exp(values - m[:, None])
       _stash(s_smem, p / jnp.sum(p, axis=1)[:, None], chunk)
       ranked_smem = s_smem
-    allowed = _allowed_groups(ranked_smem, chunk, e, routing) if sigmoid and routing.grouped else None
-    nan_row = None
-    parts = []
-    for c in range(e // chunk):
-      c0, width = c * chunk, chunk
-      ranked = load(ranked_smem.at[c])
-      nan_here = jnp.max(jnp.where(ranked != ranked, 1, 0), axis=1)
-      nan_row = nan_here if nan_row is None else jnp.maximum(nan_row, nan_here)
-      key = jnp.maximum(_key(ranked), jnp.int32(TAKEN + 1))
-      if allowed is not None:
-        key = _masked_groups(key, allowed, c0, e // routing.n_group)
-      # the weight: the unbiased score (sigmoid), or the ranked value itself (softmax: None)
-      pick = (lambda hit, c=c: jnp.max(jnp.where(hit, load(s_smem.at[c]), -jnp.inf), axis=1)) if sigmoid else None
-      parts.append(_chunk_top_k(key, pick, min(k, width), c0, kp))
-    ids, weights = _merge_top_k(parts, k, kp)
+    ids, weights, nan_row = _top_k_of_chunks(ranked_smem, s_smem if sigmoid else None, e, kp, routing)
     weights = _normalized(weights, nan_row, routing)
     ids_smem[...] = ids
     w_smem[...] = weights
