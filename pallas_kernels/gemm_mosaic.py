@@ -237,6 +237,8 @@ def config_problems(config: MosaicGemmConfig, n: int, out_dtype, *, live_rows: b
     problems.append(f"epi_tile_n={config.epi_tile_n} gives epilogue rows over 128 bytes for {jnp.dtype(out_dtype)}")
   if live_rows and not config.warp_specialized:
     problems.append("a live-row count needs a warp-specialized config (warp_specialized=True)")
+  if config.live_grid:
+    problems.append("live_grid loops over a grouped kernel's work items: the dense kernel has none (live_grid=False)")
   return problems
 
 

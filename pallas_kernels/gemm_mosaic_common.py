@@ -61,6 +61,9 @@ class MosaicGemmConfig:
   persistent: warp-specialized only. False launches one CTA per tile instead of looping over tiles on num_sms CTAs
     (for the small-M configs, where several CTAs per SM can overlap their latency).
   grid_size: CTAs of the persistent grid; None = one per SM (tests set it small to exercise the tile loop).
+  live_grid: grouped kernel, persistent only: the tile loop visits the work-item table's live items only (a count
+    read at run time), not its static size, so that the dead padding items cost neither a CTA nor a loop step (the
+    masked layout's table is mostly padding at decode). A CTA past the live tiles runs no iteration.
   cluster_dim: dense, persistent warp-specialized only: pair CTAs in a cluster of 2 along this dimension; the operand
     tile the two share (B for Dim.M, A and its scales for Dim.N) is loaded once and multicast to both by TMA.
   weight_scales_ahead: load each pipeline step's weight scales (scalar global loads) one step early and carry them,
@@ -82,6 +85,7 @@ class MosaicGemmConfig:
   epi_tile_n: int | None = None
   persistent: bool = True
   grid_size: int | None = None
+  live_grid: bool = False
   cluster_dim: Dim | None = None
   weight_scales_ahead: bool = False
   skip_idle_consumers: bool = True
@@ -115,6 +119,8 @@ class MosaicGemmConfig:
       raise ValueError(f"grid_size must be None or a positive int, got {self.grid_size!r}")
     if self.cluster_dim is not None and not (self.warp_specialized and self.persistent):
       raise ValueError("cluster_dim needs warp_specialized=True and persistent=True")
+    if self.live_grid and not (self.warp_specialized and self.persistent):
+      raise ValueError("live_grid needs warp_specialized=True and persistent=True")
 
   @property
   def num_wgs(self) -> int:
@@ -472,9 +478,11 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every TMA store lands before the kernel exits
 
 
-def tile_loop(cfg: MosaicGemmConfig, shape: tuple[int, int], tile, live_loop_rows=None):
+def tile_loop(cfg: MosaicGemmConfig, shape: tuple, tile, live_loop_rows=None):
   """Calls tile(i, j) for every (i, j) of `shape`: on a persistent grid in `plgpu.planar_snake` order (the grid is
-  named "sm"), else once in the CTA of grid position ("m", "n") = (i, j).
+  named "sm"), else once in the CTA of grid position ("m", "n") = (i, j). On a persistent grid shape[0] may be traced
+  (a count read at run time): every warpgroup of a CTA computes the same trip count from it, so the producer and the
+  consumers agree on it, and a CTA whose share is empty runs no iteration (nor any pipeline barrier).
 
   live_loop_rows: a traced count of the loop rows that hold live work (the rest are cheap: zeros to store). The
   persistent loop then visits those rows' tiles first and the rest after them (`live_first_order`), so that the live

@@ -14,7 +14,9 @@ Both become one problem: a list of *segments* (batch, group, lo, hi), the rows [
 (B, M_a, K) view of a_q computed with group `group`'s weight, or written as zeros when group is -1. Segments cover
 every output row once. A jnp prologue cuts the segments at row-tile boundaries into *work items* (one row tile of one
 segment), computed items first, then zero items, then dead padding items up to a static count, so that the kernel's
-grid has a static size while routing changes never recompile. The kernel loops over (item, column tile) pairs: an
+grid has a static size while routing changes never recompile. The kernel loops over (item, column tile) pairs, on
+a persistent grid either up to the table's static size or (`live_grid`) up to its live items, a count read at run time
+(the masked layout's table is mostly padding at decode: E times its row tiles plus one, for a few routed rows): an
 empty expert owns no item and no CTA waits on it; a row tile that two experts share is computed once per expert,
 each storing only its own rows, and in each of those a consumer warpgroup whose 64-row part holds none of the item's
 rows runs no wgmma (with two consumers split along M, an expert boundary costs half a tile, not a whole one).
@@ -49,6 +51,7 @@ from .gemm_mosaic_common import (BLOCK, SMEM_BYTES, WGMMA_M, Dim, MosaicGemmConf
 
 EPILOGUE_ROW_BYTES = 128  # one TMA-aligned shared-memory row per output row of an epilogue piece
 ITEM_FIELDS = 5  # batch, group, row block, lo, hi
+ITEM_LO, ITEM_HI = 3, 4
 # Up to this many (item, row) pairs `ragged_items_from_rows` builds the table as one fused reduction, past it with a
 # scatter
 GATHERED_TABLE_MAX = 1 << 16
@@ -177,6 +180,13 @@ def work_items(segments: tuple[jax.Array, ...], tile_m: int, num_items: int) -> 
   return jnp.stack([batch[seg], group[seg], jnp.where(real, block, 0), item_lo, item_hi]).astype(jnp.int32)
 
 
+def live_item_count(items: jax.Array) -> jax.Array:
+  """int32 (1,): the items of a work-item table with rows to write (lo < hi: computed and zero items). Every table
+  lists them before its dead padding items, so they are its first this many (what `MosaicGemmConfig.live_grid`
+  loops over)."""
+  return jnp.sum(items[ITEM_LO] < items[ITEM_HI], dtype=jnp.int32, keepdims=True)
+
+
 def ragged_num_items(m: int, num_groups: int, tile_m: int) -> int:
   """The most work items a ragged problem can have. The segments are disjoint runs of the M rows in order (a
   partition of them, or with `ragged_items_from_starts` runs with gaps between), so their (segment, row tile) pairs
@@ -232,9 +242,16 @@ def _epilogue(accs, slots, out_gmem, row0, col0, lo, hi, cfg: MosaicGemmConfig):
 # ------------------------------------------------------------------------------------------------------- the kernel
 
 
-def _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *, cfg: MosaicGemmConfig, num_items: int):
+def _loop_items(live_items_gmem, num_items: int):
+  """The work items the tile loop visits: the table's live ones (read at run time, `MosaicGemmConfig.live_grid`),
+  else all num_items."""
+  return num_items if live_items_gmem is None else live_items_gmem[0]
+
+
+def _kernel(live_items_gmem, items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *, cfg: MosaicGemmConfig,
+            num_items: int):
   """a_gmem (B, M_a, K), b_gmem (E, N, K), as_gmem (B, K/128, M_a'), bs_gmem (E, N/128, K/128), out_gmem (B, M_o, N),
-  items_gmem int32 (ITEM_FIELDS, num_items)."""
+  items_gmem int32 (ITEM_FIELDS, num_items), live_items_gmem int32 (1,) `live_item_count` (None: no live_grid)."""
   n, k = b_gmem.shape[1:]
   slots_type = plgpu.SMEM((cfg.num_compute_wgs, 2, WGMMA_M, epi_n(out_gmem.dtype)), out_gmem.dtype)
 
@@ -256,7 +273,7 @@ def _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, *, cfg: Mosa
       def _zeros():
         epilogue(zero_accumulators(cfg), block * cfg.tile_m + wg_origin[0], n_idx * cfg.tile_n + wg_origin[1])
 
-    tile_loop(cfg, (num_items, pl.cdiv(n, cfg.tile_n)), tile)
+    tile_loop(cfg, (_loop_items(live_items_gmem, num_items), pl.cdiv(n, cfg.tile_n)), tile)
 
   warp_specialized(cfg, (a_gmem.at[0], b_gmem.at[0], as_gmem.at[0]), slots_type, body, num_k_blocks=k // BLOCK,
                    num_n_blocks=pl.cdiv(n, BLOCK))
@@ -322,8 +339,8 @@ def _silu_quant_epilogue(accs, wg_idx, code_slot, exchange, up_ready, up_free, q
     store_unoptimized(s_rows, scales)
 
 
-def _gate_up_kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem, *, cfg: MosaicGemmConfig,
-                    num_items: int, eps: float, h_dtype, interpret: bool):
+def _gate_up_kernel(live_items_gmem, items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem, *,
+                    cfg: MosaicGemmConfig, num_items: int, eps: float, h_dtype, interpret: bool):
   """a_gmem (B, M_a, K), b_gmem (2E, I, K) (expert e's gate rows at 2e, its up rows at 2e + 1), as_gmem
   (B, K/128, M_a'), bs_gmem (E, 2I/128, K/128), q_gmem (B, M_o, I) fp8, s_gmem (B, I/128, M_s) float32."""
   i, k = b_gmem.shape[1:]
@@ -352,7 +369,7 @@ def _gate_up_kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem
           compute_tile(a_gmem.at[batch], b_gmem, as_gmem.at[batch], bs_gmem.at[group], block, n_idx, epilogue,
                        b_pair=group)
 
-      tile_loop(cfg, (num_items, i // BLOCK), tile)
+      tile_loop(cfg, (_loop_items(live_items_gmem, num_items), i // BLOCK), tile)
       # Consumer 1 takes the arrival that freed the exchange after the last tile: every phase of both barriers is
       # waited for once.
       pl.when(wg_idx == 1)(lambda: plgpu.barrier_wait(up_free))
@@ -395,21 +412,29 @@ def gate_up_silu_quant(
   a3 = pad_rows_for_tma(a3, 1)
   b_pairs = b_q.reshape(experts * 2, i, k)  # free: splits each expert's rows into its gate and up halves
 
-  def body(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem):
-    _gate_up_kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem, cfg=config, num_items=num_items,
-                    eps=eps, h_dtype=jnp.dtype(h_dtype), interpret=interpret)
+  def body(live_items_gmem, items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem):
+    _gate_up_kernel(live_items_gmem, items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, q_gmem, s_gmem, cfg=config,
+                    num_items=num_items, eps=eps, h_dtype=jnp.dtype(h_dtype), interpret=interpret)
 
   out_type = (jax.ShapeDtypeStruct((batches, out_rows, i), FP8),
               jax.ShapeDtypeStruct((batches, i // BLOCK, scale_rows), jnp.float32))
-  return _launch(body, out_type, config, (num_items, i // BLOCK), num_sms, interpret)(items, a3, b_pairs, a_s3, b_s)
+  return _launch(body, out_type, config, items, (a3, b_pairs, a_s3, b_s), i // BLOCK, num_sms, interpret)
 
 
-def _launch(body, out_type, config: MosaicGemmConfig, work: tuple[int, int], num_sms: int, interpret: bool):
-  """The kernel of `body` over the (work items, column tiles) `work`: a producer and the consumer warpgroups."""
-  grid, grid_names = kernel_grid(config, work, num_sms)
-  return plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=grid_names,
-                      num_threads=config.num_compute_wgs + 1, thread_name="wg",
-                      interpret=plgpu.InterpretGPUParams() if interpret else None)
+def _launch(body, out_type, config: MosaicGemmConfig, items: jax.Array, operands: tuple, n_tiles: int, num_sms: int,
+            interpret: bool):
+  """body(live_items_gmem, items_gmem, *operand and output refs) run over the table's items x n_tiles column tiles:
+  a producer and the consumer warpgroups. With config.live_grid the table's `live_item_count` goes in first (one
+  small reduction beside the table's prologue), else body gets None for it."""
+  grid, grid_names = kernel_grid(config, (items.shape[1], n_tiles), num_sms)
+  if config.live_grid:
+    kernel_body, args = body, (live_item_count(items), items, *operands)
+  else:
+    kernel_body, args = (lambda *refs: body(None, *refs)), (items, *operands)
+  kernel = plgpu.kernel(kernel_body, out_type=out_type, grid=grid, grid_names=grid_names,
+                        num_threads=config.num_compute_wgs + 1, thread_name="wg",
+                        interpret=plgpu.InterpretGPUParams() if interpret else None)
+  return kernel(*args)
 
 
 # ------------------------------------------------------------------------------------------------------ the launchers
@@ -428,11 +453,11 @@ def grouped_block_fp8_matmul(
   n_iters = pl.cdiv(n, config.tile_n)
   a3 = pad_rows_for_tma(a3, 1)
 
-  def body(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem):
-    _kernel(items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, cfg=config, num_items=num_items)
+  def body(live_items_gmem, items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem):
+    _kernel(live_items_gmem, items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_gmem, cfg=config, num_items=num_items)
 
   out_type = jax.ShapeDtypeStruct((batches, out_rows, n), out_dtype)
-  return _launch(body, out_type, config, (num_items, n_iters), num_sms, interpret)(items, a3, b_q, a_s3, b_s)
+  return _launch(body, out_type, config, items, (a3, b_q, a_s3, b_s), n_iters, num_sms, interpret)
 
 
 def ragged_items(group_sizes: jax.Array, m: int, tile_m: int, zero_unowned_rows: bool = True) -> jax.Array:
@@ -520,5 +545,5 @@ def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.b
 __all__ = ["BLOCK", "SMEM_BYTES", "WGMMA_M", "Dim", "MosaicGemmConfig", "config_problems", "fit_smem",
            "ragged_block_fp8_matmul", "masked_block_fp8_matmul", "grouped_block_fp8_matmul", "work_items",
            "ragged_items", "ragged_items_from_rows", "ragged_items_from_starts", "masked_items", "ragged_segments",
-           "masked_segments", "epi_n", "smem_bytes", "gate_up_silu_quant", "silu_quant_problems",
+           "masked_segments", "live_item_count", "epi_n", "smem_bytes", "gate_up_silu_quant", "silu_quant_problems",
            "silu_quant_smem_bytes"]

@@ -395,7 +395,8 @@ def test_any_m_and_any_scale_columns_run(rng):
     dict(k_blocks_per_step=3), dict(tile_m=64, wg_split=Dim.M), dict(num_compute_wgs=3), dict(num_compute_wgs=4),
     dict(tile_m=256, num_compute_wgs=4), dict(epi_tile_n=48), dict(epi_tile_n=128), dict(grid_size=0),
     dict(max_concurrent_steps=0), dict(max_concurrent_steps=2.0), dict(grid_tile_width=0),
-    dict(cluster_dim=Dim.M, persistent=False), dict(cluster_dim=Dim.N, warp_specialized=False)],
+    dict(cluster_dim=Dim.M, persistent=False), dict(cluster_dim=Dim.N, warp_specialized=False),
+    dict(live_grid=True, persistent=False)],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_a_config_no_kernel_can_build_is_refused_when_made(kwargs):
   """Configs check themselves on construction (and on dataclasses.replace), naming the field."""
@@ -416,6 +417,7 @@ def test_rejects_configs_that_do_not_fit_the_problem():
   assert any("shared memory" in p for p in problems(MosaicGemmConfig(max_concurrent_steps=12)))
   assert any("warp-specialized" in p for p in gm.config_problems(MosaicGemmConfig(warp_specialized=False), 256,
                                                                  jnp.bfloat16, live_rows=True))
+  assert any("live_grid" in p for p in problems(MosaicGemmConfig(live_grid=True)))  # the grouped kernel's only
   # Through the public function: a config that cannot run is refused with its problem, naming the config.
   args = _args()
   with pytest.raises(ValueError, match="tile_n=96.*must divide N=256"):

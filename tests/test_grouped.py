@@ -226,6 +226,10 @@ KINDS = {
     # Both consumers compute every work item's tile, the one holding none of its rows included.
     "ws2_m_128x128_no_skip": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, grid_size=2,
                                               skip_idle_consumers=False),
+    # The masked layout's decode schedule: a persistent grid looping over the table's live items only.
+    "ws1_64x128_live_grid": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=2, k_blocks_per_step=2,
+                                             num_compute_wgs=1, weight_scales_ahead=True, grid_size=3,
+                                             live_grid=True),
 }
 
 needs_mosaic = pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="the Mosaic GPU kernel does not import here")
@@ -390,15 +394,18 @@ def test_gate_up_with_the_silu_quantizer_in_its_epilogue(rng, h_dtype):
 
 
 @needs_mosaic
-def test_gate_up_with_the_silu_quantizer_on_the_masked_layout(rng):
-  """The same kernel on a masked table (each expert its own buffer, so no tile holds two experts' rows)."""
+@pytest.mark.parametrize("live_grid", [False, True])
+def test_gate_up_with_the_silu_quantizer_on_the_masked_layout(rng, live_grid):
+  """The same kernel on a masked table (each expert its own buffer, so no tile holds two experts' rows); with the
+  live grid, on five CTAs for its four live items of eight (one CTA runs no iteration)."""
   masked_m = np.array([5, 0, 70, 64], np.int32)
   e, t, i, k = len(masked_m), 70, 128, 256
   b_q, b_s = _weights(rng, e, 2 * i, k)
   a_q, a_s = _activations(rng, (e, t, k), 128, column_major=True, masked_m=masked_m)
   items = ggm.masked_items(jnp.asarray(masked_m), t, 64, zero_unowned_rows=False)
+  config = dataclasses.replace(FUSED_CONFIG, live_grid=live_grid, grid_size=5 if live_grid else FUSED_CONFIG.grid_size)
   q, s = ggm.gate_up_silu_quant(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s), items,
-                                out_rows=t, h_dtype=jnp.bfloat16, eps=1e-10, config=FUSED_CONFIG, num_sms=132,
+                                out_rows=t, h_dtype=jnp.bfloat16, eps=1e-10, config=config, num_sms=132,
                                 interpret=True)
   q, s = np.asarray(q), np.asarray(s)
   for g in range(e):
@@ -453,7 +460,7 @@ def test_gate_up_with_the_silu_quantizer_lowers_for_cuda(e, i, k, rows):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_m_128x128_k2"])
+@pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_m_128x128_k2", "ws1_64x128_live_grid"])
 def test_mosaic_masked_interpreted(rng, kind):
   # T = 70 rows per expert (partial row tiles, T % 8 != 0), one expert empty, one full, counts past T clipped.
   args, expect = _masked_case(rng, [5, 0, 70, 99, 64], 70, 256, 256, column_major=True)
@@ -480,6 +487,42 @@ def test_mosaic_column_tails(rng, kind, layout, n):
   _check(out, expect, jnp.bfloat16)
 
 
+# masked_m of T = 70 rows (a partial last row tile) and the live tiles (items x 2 column tiles) each leaves for a grid
+# of LIVE_GRID_CTAS, with the rows no expert owns zeroed or not
+LIVE_GRID_CASES = {
+    "every_expert_empty": ([0, 0, 0], {True: 6 * 2, False: 0}),
+    "one_expert_with_rows": ([0, 33, 0], {True: 7 * 2, False: 1 * 2}),
+    "every_expert_full": ([70, 99, 70], {True: 6 * 2, False: 6 * 2}),
+}
+LIVE_GRID_CTAS = 4
+
+
+@needs_mosaic
+@pytest.mark.parametrize("zero_unowned_rows", [True, False])
+@pytest.mark.parametrize("case", list(LIVE_GRID_CASES))
+def test_mosaic_masked_live_grid(rng, case, zero_unowned_rows):
+  """The live grid's loop bound read at run time: no live tile (every CTA runs no iteration), fewer live tiles than
+  CTAs (some run none), every expert full (no dead item: the static bound). Rows no expert owns are zeros, or with
+  zero_unowned_rows=False never stored (the interpreter's NaN fill stays)."""
+  masked_m, live_tiles = LIVE_GRID_CASES[case]
+  t = 70
+  args, expect = _masked_case(rng, masked_m, t, 256, 256, column_major=True)
+  items = ggm.masked_items(jnp.asarray(masked_m, jnp.int32), t, 64, zero_unowned_rows)
+  assert int(ggm.live_item_count(items)[0]) * 2 == live_tiles[zero_unowned_rows]
+  config = dataclasses.replace(KINDS["ws1_64x128_live_grid"], grid_size=LIVE_GRID_CTAS)
+  out = jaxfp8.masked_w8a8_block_fp8_matmul(*args, (128, 128), a_s_column_major=True, out_dtype=jnp.float32,
+                                            implementation="mosaic", config=config,
+                                            zero_unowned_rows=zero_unowned_rows)
+  if zero_unowned_rows:
+    _check(out, expect, jnp.float32)
+    return
+  out = np.asarray(out)
+  owned = np.arange(t)[None, :] < np.clip(masked_m, 0, t)[:, None]
+  assert np.isnan(out[~owned]).all(), "a row no expert owns was stored"
+  if owned.any():
+    assert ref.relative_error(out[owned], expect[owned].astype(np.float32)) <= TOL[jnp.dtype(jnp.float32)]
+
+
 def _items_cover(items, segments, tile_m):
   """Host check of the work-item table: every segment row in exactly one item of its segment, items in one row tile."""
   items = np.asarray(items)
@@ -494,10 +537,12 @@ def _items_cover(items, segments, tile_m):
       covered[(b, r)] = g
   want = {(b, r): g for b, g, s_lo, s_hi in zip(batch, group, lo, hi) for r in range(s_lo, s_hi)}
   assert covered == want
-  # Computed items come before zero items.
-  live = items[:, items[4] > items[3]]
+  # Computed items come before zero items, and both before the dead ones: the live grid's count is their prefix.
+  is_live = items[4] > items[3]
+  live = items[:, is_live]
   is_zero = live[1] == ggm.ZERO_GROUP
   assert not (is_zero[:-1] & ~is_zero[1:]).any()
+  assert is_live[:live.shape[1]].all() and int(ggm.live_item_count(jnp.asarray(items))[0]) == live.shape[1]
   return live.shape[1]
 
 
@@ -639,7 +684,12 @@ def test_plans_say_why():
     assert tail.implementation == "mosaic", str(tail)  # a partial last column tile
     assert prefill.implementation == "mosaic" and prefill.config.persistent and "prefill" in str(prefill)
     assert (prefill.config.tile_m, prefill.config.tile_n, prefill.config.wg_split) == (64, 256, ggm.Dim.N)
-    assert decode.config.tile_m == 64 and not decode.config.persistent and "decode" in str(decode)
+    # (E, T, K) activations: the masked layout's decode schedule (its live grid is a knob until the GPU measures it)
+    assert decode.config.tile_m == 64 and decode.config.live_grid == grouped_mosaic.DECODE_LIVE_GRID["masked"]
+    assert "decode" in str(decode) and ("live items" in str(decode)) == decode.config.live_grid
+    ragged = grouped.plan(grouped.problem("ragged", 128, 8, 1536, 2048, (128, 128)), implementation="mosaic")
+    assert not ragged.config.persistent and not ragged.config.live_grid and "decode" in str(ragged), str(ragged)
+    assert not prefill.config.live_grid
     assert odd.implementation == "xla" and "block_size=(128, 128) only" in str(odd)
 
 
@@ -854,6 +904,33 @@ def test_gpu_masked_expert_shapes(shape, t):
   flat_scales = jnp.moveaxis(a_s[:, :, :t], 0, 1).reshape(k // 128, e * t)
   _check_sampled(out.reshape(e * t, n), a_q.reshape(e * t, k), b_q, flat_scales, b_s,
                  [g * t + np.arange(masked_m[g]) for g in range(e)], rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("shape", ["qwen3_30b_a3b.gate_up", "qwen3_30b_a3b.down"])
+@pytest.mark.parametrize("routed,zero_unowned_rows", [(8, True), (8, False), (256, True), (0, False)])
+def test_gpu_masked_live_grid_is_the_per_tile_grid_bit_for_bit(shape, routed, zero_unowned_rows):
+  """The masked decode schedule on its live grid (a persistent loop over the live items) against the same tiles on
+  one CTA per (item, column tile) of the table's static size: the same bits in every owned row, zeros in the others
+  when zeroing; no routed row at all leaves every CTA of the live grid without an iteration."""
+  rng = np.random.default_rng(routed)
+  e, n, k = EXPERT_SHAPES[shape]
+  t = 64
+  masked_m = np.minimum(rng.multinomial(routed, np.full(e, 1.0 / e)), t) if routed else np.zeros(e, np.int64)
+  a_q, b_q, a_s, b_s = _device_problem(jax.random.key(routed), (e,), t, e, n, k)
+  p = grouped.problem("masked", e, t, n, k, (128, 128), a_s_column_major=True, zero_unowned_rows=zero_unowned_rows)
+  decode = grouped.plan(p, implementation="mosaic").config
+  live = grouped.plan(p, implementation="mosaic", config=dataclasses.replace(decode, persistent=True, live_grid=True))
+  per_tile = grouped.plan(p, implementation="mosaic", config=dataclasses.replace(decode, persistent=False,
+                                                                                 live_grid=False))
+  counts = jnp.asarray(masked_m, jnp.int32)
+  outs = [np.asarray(grouped.planner.run(a_q, b_q, a_s, b_s, counts, plan=plan).astype(jnp.float32))
+          for plan in (live, per_tile)]
+  owned = np.arange(t)[None, :] < masked_m[:, None]
+  np.testing.assert_array_equal(outs[0][owned], outs[1][owned])
+  if zero_unowned_rows:
+    assert not outs[0][~owned].any()
 
 
 @pytest.mark.gpu

@@ -3,11 +3,11 @@
 The kernel (pallas_kernels/grouped_gemm_mosaic.py) builds any config it is given; the choice lives here
 (`default_config`, each rule with the H200 measurement behind it), by the rows one expert sees: with few, the dense
 GEMM's decode schedule (jaxfp8/gemm/mosaic.py: the weights stream once, spread over many CTAs, a CTA per work item
-and column tile); with more (ragged: from 16 rows per expert, or from half a row at K <= 1024, unless its tiles would
-leave most of a last wave idle; masked: above one 64-row tile of capacity) a persistent schedule, 64x256 tiles on
-two consumer warpgroups side by side for the ragged layout (64-row work items waste little where an expert's rows
-end inside a tile), 128x128 tiles split along M for the masked layout and for N of an odd number of 128-column
-blocks.
+and column tile; `live_grid`, a knob: one CTA per SM looping over the table's live items only); with more (ragged:
+from 16 rows per expert, or from half a row at K <= 1024, unless its tiles would leave most of a last wave idle;
+masked: above one 64-row tile of capacity) a persistent schedule, 64x256 tiles on two consumer warpgroups side by
+side for the ragged layout (64-row work items waste little where an expert's rows end inside a tile), 128x128 tiles
+split along M for the masked layout and for N of an odd number of 128-column blocks.
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ PERSISTENT_MIN_WAVE_FILL = 0.8
 # a CTA per (item, column tile) spends more on its start than on its loads.
 PERSISTENT_SHORT_K = 1024
 PERSISTENT_SHORT_K_MIN_ROWS = 0.5
+
+
+# Whether each layout's decode schedule runs on a persistent grid of one CTA per SM looping over the work-item table's
+# live items (`MosaicGemmConfig.live_grid`) rather than one CTA per (item, column tile) of the table's static size.
+# The masked table holds E x (row tiles + 1) items whatever the routing, nearly all dead padding at decode, and the
+# CTAs that only exit cost most of the call (H200, Qwen3-30B-A3B, 8 routed rows, T=64: gate_up 40.2 us masked vs 14.0
+# ragged, down 44.8 vs 10.6). Off for both layouts until the GPU has run and timed the live grid (correct in the
+# interpreter and lowered for sm_90 only).
+DECODE_LIVE_GRID = {"masked": False, "ragged": False}
 
 
 def persistent_wave_fill(problem, num_sms: int) -> float:
@@ -105,8 +114,13 @@ def default_config(problem, num_sms: int):
               f"the persistent tiles would fill {fill:.0%} of their last wave")
            + ")")
   if not persistent:
+    live_grid = DECODE_LIVE_GRID[problem.layout]
+    if live_grid:
+      why += ("; a persistent grid over the table's live items only (its dead padding items, most of a masked table "
+              "at decode, cost no CTA)")
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
-                                num_compute_wgs=1, persistent=False, weight_scales_ahead=True)
+                                num_compute_wgs=1, persistent=live_grid, live_grid=live_grid,
+                                weight_scales_ahead=True)
   elif problem.n % (2 * BLOCK) == 0 and problem.layout == "ragged":
     config = K.MosaicGemmConfig(tile_m=WGMMA_M, tile_n=2 * BLOCK, max_concurrent_steps=4, k_blocks_per_step=1,
                                 num_compute_wgs=2, wg_split=K.Dim.N, grid_minor_dim=K.Dim.M, grid_tile_width=8)
@@ -142,7 +156,7 @@ def unsupported(problem) -> str | None:
 
 def default_config_for(problem, device: _platform.Device):
   config, why = default_config(problem, device.num_sms)
-  kind = "prefill" if config.persistent else "decode"
+  kind = "prefill" if config.persistent and not config.live_grid else "decode"
   return config, f"the {kind} schedule on {device.num_sms} SMs: {why}"
 
 
