@@ -110,6 +110,11 @@ def _best(key: jax.Array, column: jax.Array, width: int) -> tuple[jax.Array, jax
   return best, jnp.min(jnp.where(key == best[:, None], column, width), axis=1)
 
 
+def _load(ref) -> jax.Array:
+  """A (64, C) shared-memory tile into registers in the WGMMA layout every row reduction here works on."""
+  return plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+
+
 def _iota(shape) -> jax.Array:
   return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
 
@@ -122,7 +127,7 @@ def _allowed_groups(choice_smem, chunk: int, experts: int, routing: TopkRouting)
   scores = []
   for g in range(routing.n_group):
     c, c0 = divmod(g * per, chunk)
-    choice = plgpu.load(choice_smem.at[c], layout=plgpu.Layout.WGMMA, optimized=False)
+    choice = _load(choice_smem.at[c])
     key = _key(choice[:, c0:c0 + per])
     first, at = _best(key, column, per)
     second = jnp.max(jnp.where(column == at[:, None], jnp.int32(TAKEN), key), axis=1)
@@ -201,7 +206,7 @@ def _mask_groups(ranked_smem, allowed: list[jax.Array], experts: int, n_group: i
   per = experts // n_group
   nan_row = None
   for c in range(chunks):
-    ranked = plgpu.load(ranked_smem.at[c], layout=plgpu.Layout.WGMMA, optimized=False)
+    ranked = _load(ranked_smem.at[c])
     nan_here = _nan_rows(ranked)
     nan_row = nan_here if nan_row is None else jnp.maximum(nan_row, nan_here)
     parts = [jnp.where(allowed[g][:, None], ranked[:, g * per - c * chunk:(g + 1) * per - c * chunk], -jnp.inf)
@@ -233,19 +238,21 @@ def _top_k_of_chunks(ranked_smem, weighed_smem, experts: int, kp: int, routing: 
   """(ids, weights, NaN rows) of the k best experts per row: ranked_smem (chunks, 64, chunk) holds the values ranked,
   weighed_smem the weights picked (DeepSeek-V3's unbiased scores; None: the ranked values themselves)."""
   k, chunk = routing.top_k, ranked_smem.shape[2]
-  load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
-  nan_row = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS,), jnp.int32), plgpu.Layout.WGMMA.reduce(1))
-  if routing.scoring == "sigmoid" and routing.grouped:
-    allowed = _allowed_groups(ranked_smem, chunk, experts, routing)
-    nan_row = _mask_groups(ranked_smem, allowed, experts, routing.n_group)
+  masked = routing.scoring == "sigmoid" and routing.grouped
+  if masked:  # the NaN rows seen before masking, whole: the chunks below need not look again
+    nan_row = _mask_groups(ranked_smem, _allowed_groups(ranked_smem, chunk, experts, routing), experts,
+                           routing.n_group)
+  else:
+    nan_row = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS,), jnp.int32), plgpu.Layout.WGMMA.reduce(1))
 
   def chunk_best(c, nan_row):
     """The k best of chunk c (traced in the loop over chunks) and the NaN rows seen so far."""
-    ranked = load(ranked_smem.at[c])
-    nan_row = jnp.maximum(nan_row, _nan_rows(ranked))
+    ranked = _load(ranked_smem.at[c])
+    if not masked:
+      nan_row = jnp.maximum(nan_row, _nan_rows(ranked))
     key = jnp.maximum(_key(ranked), jnp.int32(TAKEN + 1))
     pick = None if weighed_smem is None else (
-        lambda hit: jnp.max(jnp.where(hit, load(weighed_smem.at[c]), -jnp.inf), axis=1))
+        lambda hit: jnp.max(jnp.where(hit, _load(weighed_smem.at[c]), -jnp.inf), axis=1))
     return _chunk_top_k(key, pick, min(k, chunk), c * chunk, kp), nan_row
 
   if experts == chunk:
@@ -254,7 +261,7 @@ def _top_k_of_chunks(ranked_smem, weighed_smem, experts: int, kp: int, routing: 
 
   # One chunk's code in a loop, its k best merged into a running k best (earlier chunks hold the lower experts, so
   # the running set goes first): the chunks' chains cannot interleave and hold registers side by side (unrolled,
-  # they spilled 464 bytes and took 1.2x as long).
+  # they spilled about 450 bytes and took 1.2x as long).
   def step(c, carry):
     running, nan_row = carry
     part, nan_row = chunk_best(c, nan_row)
@@ -290,8 +297,7 @@ def route_topk(logits: jax.Array, correction_bias: jax.Array | None, *, routing:
     t0 = lax.axis_index("block") * BLOCK_TOKENS
     plgpu.copy_gmem_to_smem(l_gmem.at[pl.ds(t0, BLOCK_TOKENS)], l_smem, barrier)
     plgpu.barrier_wait(barrier)
-    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
-    values = load(l_smem).astype(jnp.float32)
+    values = _load(l_smem).astype(jnp.float32)
     # The values ranked (DeepSeek-V3's biased scores, Qwen3's probabilities) and those weighed (the unbiased scores,
     # the probabilities) go to shared memory a chunk of columns each: each top-k pass reloads its chunk, so few
     # registers stay live.

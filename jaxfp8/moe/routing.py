@@ -32,8 +32,8 @@ IMPLEMENTATIONS = ("mosaic", "xla")
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
 # scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
 # XLA's 5.4 / 5.8 / 7.1 / 14.3 / 21.7 at 1 / 8 / 64 / 512 / 4096 tokens (level at 8, 1.2x faster at 64, 3x at 4096).
-# DeepSeek-V3's sigmoid over 256 experts takes 42 us at every T, slower than XLA's 10-39 us (its two 128-column
-# chunks cost 4x one; WORKSPACE.md has what was ruled out).
+# DeepSeek-V3's sigmoid over 256 experts (two 128-column chunks in a loop) takes 35 us at every T (H100), slower than
+# XLA's 11-22 us up to 512 tokens and faster only at 4096 (36.3 vs 40.4): off until the MoE layer on the H200 says.
 MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": 8}
 
 
@@ -132,8 +132,8 @@ def plan(router, tokens: int, experts: int, dtype, implementation: str | None = 
     least = MOSAIC_MIN_TOKENS[spec.scoring]
     if least is None:
       return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k (the Mosaic router's {spec.scoring} "
-                       "scoring is slower than XLA's at every token count measured on the H200; "
-                       "implementation='mosaic' runs it)")
+                       "scoring measured slower than XLA's below 4096 tokens, faster only at 4096, not yet timed in "
+                       "the layer; implementation='mosaic' runs it)")
     if tokens < least:
       return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k ({tokens} tokens < {least}: its few "
                        "kernels are level with the Mosaic router's one)")
