@@ -10,8 +10,12 @@ OLD_PY := $(OLD_VENV)/bin/python
 define run_suite
 @seed=$${JAXFP8_TEST_SEED:-$$($(1) -c 'import secrets; print(secrets.randbelow(2**32))')}; \
 echo "JAXFP8_TEST_SEED=$$seed ($$($(1) -c 'import jax; print("jax", jax.__version__)'))"; \
-JAXFP8_TEST_SEED=$$seed $(1) -m pytest -q -n 2 -p no:cacheprovider
+JAXFP8_TEST_SEED=$$seed $(1) -m pytest -q -n 2 -p no:cacheprovider $(HANG_GUARD)
 endef
+# A test still running after 5 minutes has every thread's stack printed; after 10 its worker is killed and the test
+# runs once more in a fresh worker (the longest test takes under 2 minutes on 2 CPU cores). Failures are never rerun
+# (--rerun-except matches every one): only a killed or crashed worker's test is.
+HANG_GUARD := -rfER -o faulthandler_timeout=300 --timeout=600 --timeout-method=thread --reruns=1 --rerun-except=.
 # A tiny shape list: seconds on CPU, only to exercise `python -m jaxfp8 bench` (CPU times say nothing about GPUs).
 BENCH_CPU_SHAPES := 1,256,512;16,256,512;8,512,1024
 
