@@ -53,11 +53,12 @@ PERSISTENT_SHORT_K_MIN_ROWS = 0.5
 
 # Whether each layout's decode schedule runs on a persistent grid of one CTA per SM looping over the work-item table's
 # live items (`MosaicGemmConfig.live_grid`) rather than one CTA per (item, column tile) of the table's static size.
-# The masked table holds E x (row tiles + 1) items whatever the routing, nearly all dead padding at decode, and the
-# CTAs that only exit cost most of the call (H200, Qwen3-30B-A3B, 8 routed rows, T=64: gate_up 40.2 us masked vs 14.0
-# ragged, down 44.8 vs 10.6). Off for both layouts until the GPU has run and timed the live grid (correct in the
-# interpreter and lowered for sm_90 only).
-DECODE_LIVE_GRID = {"masked": False, "ragged": False}
+# Masked: on, its table holds E x (row tiles + 1) items whatever the routing, mostly dead at decode (H100, one
+# process, 8 / 64 / 256 routed rows, us per-tile vs live: Qwen3-30B-A3B gate_up 40.4 / 78.8 / 189.8 vs 34.9 / 89.3 /
+# 155.3, down 44.9 / 69.4 / 116.6 vs 31.4 / 63.7 / 96.3; DeepSeek-V3 EP8 gate_up 87.7 / 359.1 / 404.4 vs 95.5 / 325.2
+# / 355.0, down 54.0 / 170.3 / 181.8 vs 62.9 / 181.9 / 191.7: 1683 us summed vs 1797, losing where K or N is long).
+# Ragged: off, its table is built from the routed rows (H100, Qwen3 gate_up at 8 rows 14.7 per-tile vs 16.4 live).
+DECODE_LIVE_GRID = {"masked": True, "ragged": False}
 
 
 def persistent_wave_fill(problem, num_sms: int) -> float:

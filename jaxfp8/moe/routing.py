@@ -32,8 +32,9 @@ IMPLEMENTATIONS = ("mosaic", "xla")
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
 # scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
 # XLA's 5.4 / 5.8 / 7.1 / 14.3 / 21.7 at 1 / 8 / 64 / 512 / 4096 tokens (level at 8, 1.2x faster at 64, 3x at 4096).
-# DeepSeek-V3's sigmoid over 256 experts (two 128-column chunks in a loop) takes 35 us at every T (H100), slower than
-# XLA's 11-22 us up to 512 tokens and faster only at 4096 (36.3 vs 40.4): off until the MoE layer on the H200 says.
+# DeepSeek-V3's sigmoid over 256 experts (two 128-column chunks in a loop) takes 35 us at every T alone (H100), and
+# inside the MoE layer loses at every T, 4096 tokens included (36 / 39 / 97 us against XLA's 13 / 22 / 73 at 1 / 64 /
+# 4096 tokens, H100): off.
 MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": 8}
 
 
@@ -132,8 +133,8 @@ def plan(router, tokens: int, experts: int, dtype, implementation: str | None = 
     least = MOSAIC_MIN_TOKENS[spec.scoring]
     if least is None:
       return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k (the Mosaic router's {spec.scoring} "
-                       "scoring measured slower than XLA's below 4096 tokens, faster only at 4096, not yet timed in "
-                       "the layer; implementation='mosaic' runs it)")
+                       "scoring measured slower than XLA's inside the MoE layer at every token count; "
+                       "implementation='mosaic' runs it)")
     if tokens < least:
       return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k ({tokens} tokens < {least}: its few "
                        "kernels are level with the Mosaic router's one)")
