@@ -199,46 +199,64 @@ def test_single_k_block_and_odd_tiles(rng, kind):
   _check(_run(a_q, b_q, a_s, b_s, config=KINDS[kind]), a_q, b_q, a_s, b_s, jnp.float32)
 
 
+@pytest.mark.parametrize("order", ["last", "first", "spread"])
 @pytest.mark.parametrize("rows, cols, minor_dim, width", [(11, 192, 0, 16), (11, 6, 0, 8), (7, 5, 1, 2),
                                                             (4, 3, 0, 3), (1, 9, 1, 4)])
-def test_live_first_order_visits_every_tile_once_live_rows_first(rows, cols, minor_dim, width):
-  """The persistent loop's order with a live-row count: a bijection onto the tiles, the live rows' tiles first (in
-  planar-snake order among themselves), for every count."""
-  from pallas_kernels.gemm_mosaic_common import live_first_order
+def test_ordered_tile_visits_every_tile_once(rows, cols, minor_dim, width, order):
+  """The tile order with a live-row count: a bijection onto the tiles for every count, the live rows' tiles in
+  planar-snake order among themselves, the dead ones where `order` puts them ("spread": any prefix of the order holds
+  its share of live tiles, within one), and `dead` true exactly on the dead rows' tiles."""
+  from pallas_kernels.gemm_mosaic_common import ordered_tile
   lin = jnp.arange(rows * cols, dtype=jnp.int32)
   # one scalar index at a time, as in the kernel (planar_snake branches on it)
-  order = jax.jit(jax.vmap(lambda t, live: live_first_order(t, (rows, cols), live, minor_dim, width), (0, None)))
+  ordered = jax.jit(jax.vmap(lambda t, live: ordered_tile(t, (rows, cols), live, order, minor_dim, width),
+                             (0, None)))
+  dead_of = jax.jit(jax.vmap(lambda t, live: ordered_tile(t, (rows, cols), live, order, minor_dim, width,
+                                                          dead_only=True)[2], (0, None)))
   for live in range(rows + 1):
-    i, j = (np.asarray(a) for a in order(lin, jnp.int32(live)))
+    i, j, dead = (np.asarray(a) for a in ordered(lin, jnp.int32(live)))
     assert sorted(zip(i.tolist(), j.tolist())) == [(a, b) for a in range(rows) for b in range(cols)], live
-    assert (i[:live * cols] < live).all() and (i[live * cols:] >= live).all(), live
+    np.testing.assert_array_equal(dead, i >= live)
+    np.testing.assert_array_equal(np.asarray(dead_of(lin, jnp.int32(live))), dead)
+    live_at = np.flatnonzero(~dead)
+    if order == "last":
+      np.testing.assert_array_equal(live_at, np.arange(live * cols))
+    elif order == "first":
+      np.testing.assert_array_equal(live_at, np.arange(rows * cols - live * cols, rows * cols))
+    else:
+      share = np.cumsum(~dead) - (np.arange(rows * cols) + 1) * live / rows
+      assert (np.abs(share) <= 1).all(), live
     if live:
       snake = jax.vmap(lambda t: plgpu.planar_snake(t, (live, cols), minor_dim, width))(lin[:live * cols])
-      np.testing.assert_array_equal(i[:live * cols], np.asarray(snake[0]))
-      np.testing.assert_array_equal(j[:live * cols], np.asarray(snake[1]))
+      np.testing.assert_array_equal(i[live_at], np.asarray(snake[0]))
+      np.testing.assert_array_equal(j[live_at], np.asarray(snake[1]))
 
 
-# The persistent kinds a live-row count runs on: the tile loop in live-first order, clusters along M and N.
-@pytest.mark.parametrize("kind", ["ws2_m_128x128", "ws2_m_128x128_k2_epi16", "ws2_n_64x128_clusterM",
-                                  "ws2_m_128x128_clusterN"])
-def test_live_rows_on_a_persistent_grid(rng, kind):
+# The kinds a live-row count runs on: the persistent tile loop (clusters along M and N) in each order of the dead
+# tiles, and one CTA per tile with the launch positions reordered.
+@pytest.mark.parametrize("kind, order", [("ws2_m_128x128", "last"), ("ws2_m_128x128_k2_epi16", "last"),
+                                         ("ws2_n_64x128_clusterM", "last"), ("ws2_m_128x128_clusterN", "last"),
+                                         ("ws2_m_128x128", "first"), ("ws2_n_64x128_clusterM", "spread"),
+                                         ("ws2_m_128x128_clusterN", "first"), ("ws1_64x128", "spread")])
+def test_live_rows_on_a_persistent_grid(rng, kind, order):
   """Every count on a CTA loop over several row tiles: the live rows match the reference, every other row is exactly
   0 (the interpreter fills unwritten memory with NaN, so a tile the loop skipped would show), codes and scales past
   the count are NaN poison."""
   m, n, k = 300, 256, 256
+  config = dataclasses.replace(KINDS[kind], dead_tile_order=order)
   a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k, decades=1.0)
   expect = ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True)
   f = jax.jit(lambda a_q, a_s, live: gm.block_fp8_matmul(a_q, jnp.asarray(b_q), a_s, jnp.asarray(b_s),
-                                                          out_dtype=jnp.float32, config=KINDS[kind], num_sms=132,
+                                                          out_dtype=jnp.float32, config=config, num_sms=132,
                                                           live_rows=live, interpret=True))
   for live in sorted({0, 1, 64, int(rng.integers(65, m)), m, m + 7}):
     codes, scales = a_q.copy(), a_s.copy()
     codes[live:] = np.float32(np.nan).astype(ref.FP8)
     scales[:, live:m] = np.nan
     out = np.asarray(f(jnp.asarray(codes), jnp.asarray(scales), jnp.int32(live)))
-    assert (out[live:] == 0).all(), (kind, live)
+    assert (out[live:] == 0).all(), (kind, order, live)
     if live:
-      assert ref.relative_error(out[:live], expect[:live]) <= 2e-4, (kind, live)
+      assert ref.relative_error(out[:live], expect[:live]) <= 2e-4, (kind, order, live)
 
 
 @pytest.mark.parametrize("kind,out_dtype,bias_dtype", [

@@ -223,6 +223,10 @@ def row_alignment(m: int) -> tuple[int, str]:
 
 # With valid_rows, the row tiles past the count load nothing and run no wgmma (the kernel's live-row count).
 SKIPS_DEAD_ROWS = True
+# Where the tiles past the live count (zeros to store) go in the tile order (MosaicGemmConfig.dead_tile_order).
+# "last" stores them after the live tiles: at 100 live rows of 4096 (q_proj) the kernel spent 157 us against 56 for the
+# exact rows (H200), writing 196 MB of zeros at about 2 TB/s after the compute.
+DEAD_TILE_ORDER = "last"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,14 +252,15 @@ class LiveRowSchedules:
     return "LiveRowSchedules(" + "; ".join(f"live {lo}..{hi}: {config}" for lo, hi, config in self.ranges()) + ")"
 
 
-def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int,
-                       register_split: bool = True) -> LiveRowSchedules:
-  """The default schedule of every whole number of 64-row tiles up to `rows`, each distinct one compiled once."""
+def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int, register_split: bool = True,
+                       dead_tile_order: str = DEAD_TILE_ORDER) -> LiveRowSchedules:
+  """The default schedule of every whole number of 64-row tiles up to `rows`, each distinct one compiled once, its
+  dead tiles in `dead_tile_order`."""
   configs: list[MosaicGemmConfig] = []
   table = []
   for tiles in range(1, cdiv(rows, WGMMA_M) + 1):
-    config = default_config(min(tiles * WGMMA_M, rows), n, k, out_dtype, num_sms=num_sms,
-                            register_split=register_split)
+    config = dataclasses.replace(default_config(min(tiles * WGMMA_M, rows), n, k, out_dtype, num_sms=num_sms,
+                                                register_split=register_split), dead_tile_order=dead_tile_order)
     if config not in configs:
       configs.append(config)
     table.append(configs.index(config))

@@ -6,12 +6,17 @@ Contenders (names for --implementations), per weight (N, K), bucket B and live c
   "bucket_full"   baseline: the linear jitted for B rows, no valid_rows (every row computed)
   "exact"         reference point: the linear jitted for round_up(V, 64) rows, no valid_rows: what a call of the
                   live rows costs
+  "given_last", "given_first", "given_spread"   the B-row call with valid_rows=V and, given as its config, the
+                  schedule bucket_valid's switch picks for V with the dead tiles in that order (Mosaic GEMM only):
+                  the switch's cost (given_last against bucket_valid) and the order's (the other two against it)
 valid_vs_exact = bucket_valid / exact (the target: <= 1.1). Every output is checked against the float64 reference on
 sampled live rows and column blocks (docs/CONTRACT.md §3, the bf16 bound), and bucket_valid's rows past V must be 0.
 The rows' M is V (the shape names the bucket: weight@B); FLOPs and bytes count the live rows only.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from collections.abc import Callable, Sequence
 
@@ -20,10 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfp8
+from jaxfp8.gemm import mosaic as gemm_mosaic
 from jaxfp8.tools import args, bench_gemm, bench_linear, bench_report, results, timing
 
-CONTENDERS = ("bucket_valid", "bucket_full", "exact")
-ROLES = {"bucket_valid": "ours", "bucket_full": "baseline", "exact": "reference"}
+ORDERS = ("last", "first", "spread")
+CONTENDERS = ("bucket_valid", "bucket_full", "exact") + tuple(f"given_{order}" for order in ORDERS)
+ROLES = {"bucket_valid": "ours", "bucket_full": "baseline", "exact": "reference",
+         **{f"given_{order}": "part" for order in ORDERS}}
 TARGET = 1.1
 # (weight name, N, K, ((bucket, live), ...)): DeepSeek-V3 q_proj (a prefill bucket half full, a smaller one nearly
 # empty), dense_down and Qwen3-32B qkv at a decode bucket.
@@ -84,10 +92,16 @@ def run(case, implementations: Sequence[str], *, block_size=(128, 128), iteratio
              "bucket_full": (plain, [(x, *w) for x, w in zip(xs, weights)], bucket),
              "exact": (plain, [(x[:exact_rows], *w) for x, w in zip(xs, weights)], min(exact_rows, bucket))}
     plan = jaxfp8.linear.explain(xs[0], weights[0][0], block_size, valid_rows=True)
+    for order in ORDERS:
+      given = _given(plan, live, order)
+      if given is not None:
+        calls[f"given_{order}"] = (_given_call(given, block_size), calls["bucket_valid"][1], bucket)
     base = dict(shape=f"{name}@{bucket}", m=live, n=n, k=k, bucket=bucket, live=live, flops=2 * live * n * k,
                 bytes=n * k + 2 * live * (k + n))
-    times = {}
+    times, case_rows = {}, []
     for contender in implementations:
+      if contender not in calls:  # a given_* contender where the plan is not a Mosaic GEMM's schedules
+        continue
       fn, arg_sets, computed = calls[contender]
       row = dict(base, contender=contender, rows_computed=computed)
       if contender == "bucket_valid":
@@ -95,20 +109,37 @@ def run(case, implementations: Sequence[str], *, block_size=(128, 128), iteratio
       try:
         out = fn(*arg_sets[0])
         # Only valid_rows promises zeros past the live rows; the others computed real rows there.
-        row.update(_check(out if contender == "bucket_valid" else out[:live], xs[0], *weights[0], live, block_size))
+        masked_call = contender == "bucket_valid" or contender.startswith("given_")
+        row.update(_check(out if masked_call else out[:live], xs[0], *weights[0], live, block_size))
         # the kernels (GPU) say what the call costs beyond the GEMM (the live-row count's switch, the quantizer)
         row["us"], kernels = timing.timed(fn, arg_sets, iterations=iterations, timer=timer)
         times[contender] = row["us"]
         row.update(bench_report.kernel_fields(kernels))
       except Exception as e:  # a failing contender is reported, not fatal for the others
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      rows.append(row)
-    if "bucket_valid" in times and "exact" in times:
-      next(r for r in rows[-len(implementations):] if r["contender"] == "bucket_valid")["valid_vs_exact"] = (
-          times["bucket_valid"] / times["exact"])
-    for row in rows[-len(implementations):]:
+      case_rows.append(row)
+    for row in case_rows:  # bucket_valid's ratio, and the given_* ones' beside it
+      if "exact" in times and row["contender"] in times and row["contender"] not in ("bucket_full", "exact"):
+        row["valid_vs_exact"] = times[row["contender"]] / times["exact"]
+    rows += case_rows
+    for row in case_rows:
       log(results.row_line({key: value for key, value in row.items() if key != "plan"}))
   return rows
+
+
+def _given(plan, live: int, order: str):
+  """The Mosaic schedule the plan's switch picks for `live` rows, its dead tiles in `order` (None: the plan's GEMM
+  is not the Mosaic kernel's per-count schedules)."""
+  schedules = plan.gemm.config
+  if not isinstance(schedules, gemm_mosaic.LiveRowSchedules):
+    return None
+  step = min(max(live - 1, 0) // gemm_mosaic.WGMMA_M, len(schedules.table) - 1)
+  return dataclasses.replace(schedules.configs[schedules.table[step]], dead_tile_order=order)
+
+
+def _given_call(config, block_size):
+  return jax.jit(lambda x, w_q, w_s, v: jaxfp8.w8a8_block_fp8_linear(x, w_q, w_s, block_size, valid_rows=v,
+                                                                     config=config))
 
 
 def summary_table(rows: list[dict]) -> str:
