@@ -75,6 +75,10 @@ class MosaicGemmConfig:
     4% slower, M=256 128x160 tiles scaled per column 1.5x), so the prefill schedules leave it off.
   skip_idle_consumers: grouped kernel: a consumer warpgroup whose part of a work item's tile holds none of its rows
     runs no wgmma (False: it computes rows it will not store, as two consumers did before the flag).
+  sub_tile_n: columns of one sub-tile (one wgmma and its promotion); None: the warpgroup's columns in as few equal
+    parts of at most 128 as there can be. A narrower sub-tile holds a smaller fresh wgmma accumulator (64 * sub_n /
+    128 registers a thread): where the compiler ignores setmaxnreg (JAX 0.12's libnvJitLink) a consumer must fit the
+    launch's even share of registers. It must divide the warpgroup's columns and 128, a multiple of 8.
   dead_tile_order: dense kernel with a live-row count: where the tiles past the live rows (zeros to store, no loads)
     come in the tile order. "last": after every live tile; "first": before them, so that their stores drain while
     the live tiles compute; "spread": evenly among them (`ordered_tile`).
@@ -96,6 +100,7 @@ class MosaicGemmConfig:
   weight_scales_ahead: bool = False
   skip_idle_consumers: bool = True
   dead_tile_order: str = "last"
+  sub_tile_n: int | None = None
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "max_concurrent_steps", "k_blocks_per_step", "num_compute_wgs",
@@ -112,6 +117,11 @@ class MosaicGemmConfig:
     if self.tile_m % WGMMA_M or not 0 < self.tile_m <= 256:
       raise ValueError(f"tile_m must be a multiple of {WGMMA_M} in [64, 256], got {self.tile_m}")
     wg_m, wg_n = self.wg_tile
+    if self.sub_tile_n is not None and (
+        not isinstance(self.sub_tile_n, int) or isinstance(self.sub_tile_n, bool) or self.sub_tile_n < 8
+        or self.sub_tile_n % 8 or wg_n % self.sub_tile_n or BLOCK % self.sub_tile_n):
+      raise ValueError(f"sub_tile_n must be None or a multiple of 8 that divides the warpgroup's {wg_n} columns and "
+                       f"{BLOCK}, got {self.sub_tile_n!r}")
     split = (f"tile_m={self.tile_m}, tile_n={self.tile_n}, num_compute_wgs={self.num_compute_wgs}, "
              f"wg_split={self.wg_split.name}")
     if wg_m % WGMMA_M or wg_m == 0:
@@ -152,8 +162,10 @@ class MosaicGemmConfig:
 
   @property
   def sub_n(self) -> int:
-    """Columns of one sub-tile (one wgmma; one b_s scalar unless `scales_per_column`): the warpgroup's columns in
-    as few equal parts of at most 128 as there can be."""
+    """Columns of one sub-tile (one wgmma; one b_s scalar unless `scales_per_column`): `sub_tile_n`, else the
+    warpgroup's columns in as few equal parts of at most 128 as there can be."""
+    if self.sub_tile_n is not None:
+      return self.sub_tile_n
     wg_n = self.wg_tile[1]
     return wg_n // pl.cdiv(wg_n, BLOCK)
 

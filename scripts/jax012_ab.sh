@@ -6,7 +6,8 @@
 # compiles relocatable code, where ptxas ignores `setmaxnreg` (C7504): the consumer warpgroups keep the launch's
 # register share. Without the library, Mosaic falls back to the ptxas executable, as 0.11.2 always did.
 #   scripts/jax012_ab.sh TARBALL   (the 0.12 wheels unpacked under jax012/, tar.xz; WORKSPACE.md: how they travel)
-#   BENCH=1 scripts/jax012_ab.sh TARBALL: instead, `python -m jaxfp8 bench --ops=gemm,quant` under each version;
+#   BENCH=1 scripts/jax012_ab.sh TARBALL: instead, `python -m jaxfp8 bench --ops=gemm,quant` under each version
+#   (BENCH_OPS, BENCH_SHAPES and GEMM_CONFIGS override the ops, the shapes and add --gemm_configs);
 #   GROUPED=1: the grouped GEMM's prefill (the planner's schedule and the 128x128 tile split along M) under each.
 set -u -o pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -26,11 +27,12 @@ if [[ -n ${GROUPED:-} ]]; then  # the grouped GEMM's prefill: the planner's and 
   exit 0
 fi
 if [[ -n ${BENCH:-} ]]; then  # the A/B: the same bench under each version, back to back
-  shapes="4096,24576,7168;4096,7168,18432;1024,24576,7168;64,24576,7168;1,24576,7168"
+  shapes=${BENCH_SHAPES:-"4096,24576,7168;4096,7168,18432;1024,24576,7168;64,24576,7168;1,24576,7168"}
+  configs=(); [[ -n ${GEMM_CONFIGS:-} ]] && configs=(--gemm_configs="$GEMM_CONFIGS")
   for v in 0.11.2 0.12; do
     path=$PWD; [[ $v == 0.12 ]] && path=$new
-    PYTHONPATH=$path timeout 240 python3 -m jaxfp8 bench --ops=gemm,quant --shapes="$shapes" \
-      --implementations=mosaic,torch_scaled_mm --out="$out/jax_ab_$v.json" > "$out/jax_ab_$v.log" 2>&1
+    PYTHONPATH=$path timeout 240 python3 -m jaxfp8 bench --ops="${BENCH_OPS:-gemm,quant}" --shapes="$shapes" \
+      --implementations=mosaic,torch_scaled_mm "${configs[@]}" --out="$out/jax_ab_$v.json" > "$out/jax_ab_$v.log" 2>&1
     echo "$v rc $?"; grep -E "^gemm|^quant" "$out/jax_ab_$v.log" | head -20
   done
   exit 0

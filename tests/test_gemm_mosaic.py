@@ -79,6 +79,18 @@ KINDS: dict[str, MosaicGemmConfig] = {
                                              weight_scales_ahead=True),
     "ws2_n_128x256_ahead": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=2, wg_split=Dim.N,
                                             grid_size=2, weight_scales_ahead=True),
+    # Sub-tiles narrower than a weight-scale block (several share one b_s): the schedules whose consumers fit the
+    # launch's even register share (three consumers of 64x128 in 64-column sub-tiles), two K blocks per step, and
+    # the decode schedule in 32-column sub-tiles with its scales a step ahead.
+    "ws2_m_128x128_sub64": MosaicGemmConfig(tile_m=128, tile_n=128, max_concurrent_steps=2, grid_size=2,
+                                            sub_tile_n=64),
+    "ws3_m_192x128_sub64": MosaicGemmConfig(tile_m=192, tile_n=128, max_concurrent_steps=2, num_compute_wgs=3,
+                                            grid_size=1, grid_tile_width=16, sub_tile_n=64),
+    "ws2_n_128x256_k2_sub64": MosaicGemmConfig(tile_m=128, tile_n=256, max_concurrent_steps=2, k_blocks_per_step=2,
+                                               wg_split=Dim.N, grid_size=2, sub_tile_n=64),
+    "ws1_64x128_k2_ahead_sub32": MosaicGemmConfig(tile_m=64, tile_n=128, max_concurrent_steps=4, k_blocks_per_step=2,
+                                                  num_compute_wgs=1, persistent=False, weight_scales_ahead=True,
+                                                  sub_tile_n=32),
 }
 
 
@@ -414,7 +426,8 @@ def test_any_m_and_any_scale_columns_run(rng):
     dict(tile_m=256, num_compute_wgs=4), dict(epi_tile_n=48), dict(epi_tile_n=128), dict(grid_size=0),
     dict(max_concurrent_steps=0), dict(max_concurrent_steps=2.0), dict(grid_tile_width=0),
     dict(cluster_dim=Dim.M, persistent=False), dict(cluster_dim=Dim.N, warp_specialized=False),
-    dict(live_grid=True, persistent=False)],
+    dict(live_grid=True, persistent=False), dict(dead_tile_order="middle"), dict(sub_tile_n=48),
+    dict(sub_tile_n=4), dict(sub_tile_n=256), dict(sub_tile_n=True)],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_a_config_no_kernel_can_build_is_refused_when_made(kwargs):
   """Configs check themselves on construction (and on dataclasses.replace), naming the field."""
@@ -436,6 +449,8 @@ def test_rejects_configs_that_do_not_fit_the_problem():
   assert any("warp-specialized" in p for p in gm.config_problems(MosaicGemmConfig(warp_specialized=False), 256,
                                                                  jnp.bfloat16, live_rows=True))
   assert any("live_grid" in p for p in problems(MosaicGemmConfig(live_grid=True)))  # the grouped kernel's only
+  assert any("dead_tile_order" in p for p in problems(MosaicGemmConfig(dead_tile_order="first")))  # no live rows
+  assert not gm.config_problems(MosaicGemmConfig(dead_tile_order="spread"), 256, jnp.bfloat16, live_rows=True)
   # Through the public function: a config that cannot run is refused with its problem, naming the config.
   args = _args()
   with pytest.raises(ValueError, match="tile_n=96.*must divide N=256"):
