@@ -113,8 +113,10 @@ def eps(value) -> float:
 
 def valid_rows(value, rows: int):
   """The live-row count of a call of `rows` rows: None, a Python int in [0, rows], or an integer array of shape ()
-  (traced or not: clipped to [0, rows], since a traced value cannot be checked). Returns None or an int32 array of
-  shape (), already clipped."""
+  (traced or not: taken as clipped to [0, rows], since a traced value cannot be checked). Returns None or an int32
+  array of shape (): a Python int or host array checked or clipped here; a traced int32 count as it is, since every
+  consumer clips it or only compares row indices against it (a clip here would be a kernel launch of its own); a
+  traced count of another integer dtype clipped in that dtype, then cast."""
   if value is None:
     return None
   if isinstance(value, (bool, np.bool_)):
@@ -134,6 +136,8 @@ def valid_rows(value, rows: int):
   # Clipped in the count's own dtype before the cast to int32, which would wrap a wide or unsigned count
   # (uint32 2**31 + 1 or int64 2**32 + 2) into another value.
   value = jnp.asarray(value)
+  if value.dtype == jnp.int32:
+    return value
   info = jnp.iinfo(value.dtype)
   if info.min < 0:
     value = jnp.maximum(value, jnp.zeros((), value.dtype))

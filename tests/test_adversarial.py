@@ -321,15 +321,17 @@ def _extreme_counts(dtype, rows: int) -> list[int]:
 @pytest.mark.parametrize("rows", [5, 300])
 def test_valid_rows_is_clipped_in_its_own_dtype(dtype, rows):
   """Host (NumPy) counts, device counts and traced counts of each dtype: clipped to [0, rows] exactly, whatever the
-  narrowing to int32 would do to them. A device count is the value JAX holds (int64 needs x64, below)."""
+  narrowing to int32 would do to them. A device count is the value JAX holds (int64 needs x64, below). An int32
+  device count goes on as it is: its consumers clip it (test_linear_and_gemm_take_counts_past_int32)."""
   clip = jax.jit(lambda v: _checks.valid_rows(v, rows))
   for value in _extreme_counts(dtype, rows):
     host = np.array(value, dtype)
     assert int(_checks.valid_rows(host, rows)) == min(max(value, 0), rows), (dtype, value)
     device = jnp.asarray(host)
     held = int(np.asarray(device).astype(object))
+    want = held if device.dtype == jnp.int32 else min(max(held, 0), rows)
     for got in (_checks.valid_rows(device, rows), clip(device)):
-      assert got.dtype == jnp.int32 and int(got) == min(max(held, 0), rows), (dtype, value, device.dtype)
+      assert got.dtype == jnp.int32 and int(got) == want, (dtype, value, device.dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.uint32])
@@ -352,7 +354,8 @@ def test_linear_and_gemm_take_counts_past_int32(rng):
   a_q, a_s = jaxfp8.per_token_group_quant_fp8(x, 128, implementation="xla")
   gemm = lambda v: jaxfp8.w8a8_block_fp8_matmul(a_q, w_q, a_s, w_s, (128, 128), implementation="xla", valid_rows=v)
   counts = [np.array(2**32 + 2, np.int64), np.array(2**63 - 1, np.int64), jnp.asarray(2**31 + 1, jnp.uint32),
-            np.array(np.iinfo(np.int64).min, np.int64), jnp.asarray(-128, jnp.int8), np.array(3, np.uint64)]
+            np.array(np.iinfo(np.int64).min, np.int64), jnp.asarray(-128, jnp.int8), np.array(3, np.uint64),
+            jnp.asarray(2**31 - 1, jnp.int32), jnp.asarray(-2**31, jnp.int32), jnp.asarray(7, jnp.int32)]
   for f in (linear, gemm):
     full = np.asarray(f(6))
     for count in counts:

@@ -156,6 +156,11 @@ def test_valid_rows_computes_the_live_rows_with_one_compile(rng, implementation,
     out = np.asarray(f(poisoned, jnp.int32(valid))).reshape(m, n)
     np.testing.assert_array_equal(bits(out[:valid]), bits(whole.reshape(m, n)[:valid]), err_msg=f"{valid}")
     assert (out[valid:] == 0).all(), f"valid_rows={valid}: a row past it is not 0"
+  # int32 counts outside [0, M] reach the kernels unclipped (no clip kernel): each consumer clips them
+  for count, live in ((-2**31, 0), (-1, 0), (m + 1, m), (2**31 - 1, m)):
+    out = np.asarray(f(x, jnp.int32(count))).reshape(m, n)
+    np.testing.assert_array_equal(bits(out[:live]), bits(whole.reshape(m, n)[:live]), err_msg=f"{count}")
+    assert (out[live:] == 0).all(), f"valid_rows={count}: a row past {live} is not 0"
   assert not traces, "a new count recompiled"
 
 
