@@ -239,9 +239,6 @@ def config_problems(config: MosaicGemmConfig, n: int, out_dtype, *, live_rows: b
     problems.append("a live-row count needs a warp-specialized config (warp_specialized=True)")
   if config.live_grid:
     problems.append("live_grid loops over a grouped kernel's work items: the dense kernel has none (live_grid=False)")
-  if config.dead_tile_order != "last" and not live_rows:
-    problems.append(f"dead_tile_order={config.dead_tile_order!r} orders the tiles past a live-row count: without "
-                    "one there are none (dead_tile_order='last')")
   return problems
 
 

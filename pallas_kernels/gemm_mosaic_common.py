@@ -35,9 +35,6 @@ FP8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 # whole GMEM array, which exists only when the array's row count is a multiple of 8 or below 8.
 TMA_ROW_TILE = 8
 PRODUCER_REGISTERS = 40  # the TMA warpgroup issues copies only
-DEAD_TILE_ORDERS = ("last", "first", "spread")
-# "spread" computes lin * live_tiles in int32: at most this many tiles in the loop (else it takes "first")
-SPREAD_MAX_TILES = 46340
 
 
 class Dim(enum.IntEnum):
@@ -79,9 +76,6 @@ class MosaicGemmConfig:
     parts of at most 128 as there can be. A narrower sub-tile holds a smaller fresh wgmma accumulator (64 * sub_n /
     128 registers a thread): where the compiler ignores setmaxnreg (JAX 0.12's libnvJitLink) a consumer must fit the
     launch's even share of registers. It must divide the warpgroup's columns and 128, a multiple of 8.
-  dead_tile_order: dense kernel with a live-row count: where the tiles past the live rows (zeros to store, no loads)
-    come in the tile order. "last": after every live tile; "first": before them, so that their stores drain while
-    the live tiles compute; "spread": evenly among them (`ordered_tile`).
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -99,7 +93,6 @@ class MosaicGemmConfig:
   cluster_dim: Dim | None = None
   weight_scales_ahead: bool = False
   skip_idle_consumers: bool = True
-  dead_tile_order: str = "last"
   sub_tile_n: int | None = None
 
   def __post_init__(self):
@@ -138,8 +131,6 @@ class MosaicGemmConfig:
       raise ValueError("cluster_dim needs warp_specialized=True and persistent=True")
     if self.live_grid and not (self.warp_specialized and self.persistent):
       raise ValueError("live_grid needs warp_specialized=True and persistent=True")
-    if self.dead_tile_order not in DEAD_TILE_ORDERS:
-      raise ValueError(f"dead_tile_order must be one of {DEAD_TILE_ORDERS}, got {self.dead_tile_order!r}")
 
   @property
   def num_wgs(self) -> int:
@@ -505,63 +496,41 @@ def tile_loop(cfg: MosaicGemmConfig, shape: tuple, tile, live_loop_rows=None):
   (a count read at run time): every warpgroup of a CTA computes the same trip count from it, so the producer and the
   consumers agree on it, and a CTA whose share is empty runs no iteration (nor any pipeline barrier).
 
-  live_loop_rows: a traced count of the loop rows that hold live work (the rest are dead: zeros to store, nothing
-  to load). The tiles then go in `ordered_tile`'s order (cfg.dead_tile_order places the dead ones), the live ones in
-  planar-snake order among themselves, so that they spread evenly over the CTAs whatever the count; on a persistent
-  grid tile(i, j, after_dead) says whether this CTA's previous tile was dead too (with one CTA per tile there is
-  none: tile(i, j))."""
-  order = cfg.dead_tile_order
-  if order == "spread" and shape[0] * shape[1] > SPREAD_MAX_TILES:
-    order = "first"
-  minor, width = int(cfg.grid_minor_dim), cfg.grid_tile_width
+  live_loop_rows: a traced count of the loop rows that hold live work (the rest are cheap: zeros to store). The
+  persistent loop then visits those rows' tiles first and the rest after them (`live_first_order`), so that the live
+  tiles spread evenly over the CTAs whatever the count, and calls tile(i, j, after_dead): whether this CTA's previous
+  tile was past the live rows too (with one CTA per tile there is none: tile(i, j))."""
   if cfg.persistent:
     @plgpu.nd_loop((shape[0] * shape[1],), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (lin_idx,) = loop_info.index
       if live_loop_rows is None:
-        tile(*plgpu.planar_snake(lin_idx, shape, minor, width))
+        tile(*plgpu.planar_snake(lin_idx, shape, int(cfg.grid_minor_dim), cfg.grid_tile_width))
         return
-      i, j, _ = ordered_tile(lin_idx, shape, live_loop_rows, order, minor, width)
-      # this CTA's previous tile (the loop strides by the grid)
-      _, _, previous_dead = ordered_tile(lin_idx - lax.axis_size("sm"), shape, live_loop_rows, order, minor, width,
-                                         dead_only=True)
-      tile(i, j, (loop_info.local_index > 0) & previous_dead)
-  elif live_loop_rows is None or order == "last":
+      i, j = live_first_order(lin_idx, shape, live_loop_rows, int(cfg.grid_minor_dim), cfg.grid_tile_width)
+      live_tiles = live_loop_rows * shape[1]
+      previous = lin_idx - lax.axis_size("sm")  # this CTA's previous tile: the loop strides by the grid
+      tile(i, j, (loop_info.local_index > 0) & (previous >= live_tiles))
+  else:
     tile(lax.axis_index("m"), lax.axis_index("n"))
-  else:  # the blocks launch row by row: the launch position takes the ordered tile
-    lin_idx = lax.axis_index("m") * shape[1] + lax.axis_index("n")
-    i, j, _ = ordered_tile(lin_idx, shape, live_loop_rows, order, minor, width)
-    tile(i, j)
 
 
-def ordered_tile(lin_idx, shape: tuple[int, int], live_rows, order: str, minor_dim: int, tile_width: int,
-                 dead_only: bool = False):
-  """(i, j, dead) of the lin_idx-th tile of `shape` whose first `live_rows` rows (traced, within [0, rows]) are live,
-  the dead tiles placed by `order` ("last", "first" or "spread": the lin_idx-th tile is live where
-  floor((lin_idx + 1) L / T) > floor(lin_idx L / T), L live of T tiles, which interleaves them evenly). Live tiles
-  in planar-snake order among themselves, dead ones row by row. dead_only: only `dead` is wanted (i, j are None).
+def live_first_order(lin_idx, shape: tuple[int, int], live_rows, minor_dim: int, tile_width: int):
+  """(i, j) of the lin_idx-th tile of `shape` when its first `live_rows` rows (traced, within [0, rows]) come first,
+  in planar-snake order among themselves, then the other rows' tiles row by row.
 
   In one planar-snake order over the whole shape, a persistent CTA visits tiles at a fixed stride, which can keep it
-  in the same few rows all along: with half the rows live, half the CTAs then did all the work."""
+  in the same few rows all along: with half the rows live, half the CTAs then did all the work. The dead tiles last:
+  placed first (their zero stores before the live tiles' loads) they measured no faster, their TMA stores taking
+  the same time wherever they go."""
   cols = shape[1]
-  total = shape[0] * cols
   live_tiles = live_rows * cols
-  if order == "last":
-    dead = lin_idx >= live_tiles
-    live_index, dead_index = lin_idx, lin_idx - live_tiles
-  elif order == "first":
-    dead = lin_idx < total - live_tiles
-    live_index, dead_index = lin_idx - (total - live_tiles), lin_idx
-  else:
-    before = lax.div(lin_idx * live_tiles, jnp.int32(total))  # the live tiles before this one
-    dead = lax.div((lin_idx + 1) * live_tiles, jnp.int32(total)) == before
-    live_index, dead_index = before, lin_idx - before
-  if dead_only:
-    return None, None, dead
   # max(., 1): planar_snake divides by the live rows; with none, its result is not used
-  live_i, live_j = plgpu.planar_snake(live_index, (jnp.maximum(live_rows, 1), cols), minor_dim, tile_width)
-  dead_i, dead_j = live_rows + lax.div(dead_index, jnp.int32(cols)), lax.rem(dead_index, jnp.int32(cols))
-  return lax.select(dead, dead_i, live_i), lax.select(dead, dead_j, live_j), dead
+  live_i, live_j = plgpu.planar_snake(lin_idx, (jnp.maximum(live_rows, 1), cols), minor_dim, tile_width)
+  rest = lin_idx - live_tiles
+  rest_i, rest_j = live_rows + lax.div(rest, jnp.int32(cols)), lax.rem(rest, jnp.int32(cols))
+  is_live = lin_idx < live_tiles
+  return lax.select(is_live, live_i, rest_i), lax.select(is_live, live_j, rest_j)
 
 
 def kernel_grid(cfg: MosaicGemmConfig, shape: tuple[int, int], num_sms: int, per_cta: int = 1):

@@ -73,9 +73,6 @@ def config_problems(config: MosaicGemmConfig, n: int, out_dtype) -> list[str]:
     problems.append("the grouped kernel is warp-specialized only (warp_specialized=True)")
   if config.cluster_dim is not None:
     problems.append("the grouped kernel does not build CTA clusters (cluster_dim=None)")
-  if config.dead_tile_order != "last":
-    problems.append("dead_tile_order orders the dense kernel's live-row count: the grouped kernel has none "
-                    "(dead_tile_order='last')")
   if config.scales_per_column:
     problems.append(f"tile_n={config.tile_n}: the grouped kernel takes widths that divide 128 or are multiples of it")
   width = epi_n(out_dtype)

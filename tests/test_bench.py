@@ -3,7 +3,6 @@
 arithmetic of the table (roofline, speedup over the best baseline), the MoE step list, and the benchmarks/ folder's
 index. The GPU numbers come from the H200."""
 
-import dataclasses
 import json
 import os
 import re
@@ -203,16 +202,15 @@ def test_valid_rows_op(tmp_path, rng):
 
 
 def test_valid_rows_given_schedules_are_the_switchs_picks():
-  """The given_* contenders time the schedule bucket_valid's switch picks for the live count, dead tiles reordered."""
+  """given_schedule times the schedule bucket_valid's switch picks for the live count."""
   from jaxfp8.gemm import mosaic
   schedules = mosaic.live_row_schedules(1024, 24576, 7168, jnp.bfloat16, 132)
   assert len(schedules.configs) > 1  # the count picks among several
   plan = types.SimpleNamespace(gemm=types.SimpleNamespace(config=schedules))
   for live in (0, 1, 64, 65, 300, 1000, 1024):
     want = mosaic.default_config(min(max(-(-live // 64), 1) * 64, 1024), 24576, 7168, jnp.bfloat16, num_sms=132)
-    for order in bench_valid_rows.ORDERS:
-      assert bench_valid_rows._given(plan, live, order) == dataclasses.replace(want, dead_tile_order=order), live
-  assert bench_valid_rows._given(types.SimpleNamespace(gemm=types.SimpleNamespace(config=None)), 5, "last") is None
+    assert bench_valid_rows._given(plan, live) == want, live
+  assert bench_valid_rows._given(types.SimpleNamespace(gemm=types.SimpleNamespace(config=None)), 5) is None
 
 
 def test_valid_rows_cases_and_their_errors():
@@ -476,7 +474,7 @@ def test_gpu_branch_with_a_fake_cupti_timer(monkeypatch, tmp_path):
     return 7.0
 
   # bench sees an H200; the library underneath still dispatches for the CPU it runs on.
-  monkeypatch.setattr(bench, "_platform", types.types.SimpleNamespace(
+  monkeypatch.setattr(bench, "_platform", types.SimpleNamespace(
       gpu_compute_capability=lambda: (9, 0), is_hopper=lambda: True, has_fp8_gpu=lambda: True))
   monkeypatch.setattr(timing, "median_kernel_us", fake_cupti)
   monkeypatch.setattr(timing, "kernel_names", lambda fn, args, **_: ["quantize", "gemm"])

@@ -211,64 +211,46 @@ def test_single_k_block_and_odd_tiles(rng, kind):
   _check(_run(a_q, b_q, a_s, b_s, config=KINDS[kind]), a_q, b_q, a_s, b_s, jnp.float32)
 
 
-@pytest.mark.parametrize("order", ["last", "first", "spread"])
 @pytest.mark.parametrize("rows, cols, minor_dim, width", [(11, 192, 0, 16), (11, 6, 0, 8), (7, 5, 1, 2),
                                                             (4, 3, 0, 3), (1, 9, 1, 4)])
-def test_ordered_tile_visits_every_tile_once(rows, cols, minor_dim, width, order):
-  """The tile order with a live-row count: a bijection onto the tiles for every count, the live rows' tiles in
-  planar-snake order among themselves, the dead ones where `order` puts them ("spread": any prefix of the order holds
-  its share of live tiles, within one), and `dead` true exactly on the dead rows' tiles."""
-  from pallas_kernels.gemm_mosaic_common import ordered_tile
+def test_live_first_order_visits_every_tile_once_live_rows_first(rows, cols, minor_dim, width):
+  """The persistent loop's order with a live-row count: a bijection onto the tiles, the live rows' tiles first (in
+  planar-snake order among themselves), for every count."""
+  from pallas_kernels.gemm_mosaic_common import live_first_order
   lin = jnp.arange(rows * cols, dtype=jnp.int32)
   # one scalar index at a time, as in the kernel (planar_snake branches on it)
-  ordered = jax.jit(jax.vmap(lambda t, live: ordered_tile(t, (rows, cols), live, order, minor_dim, width),
-                             (0, None)))
-  dead_of = jax.jit(jax.vmap(lambda t, live: ordered_tile(t, (rows, cols), live, order, minor_dim, width,
-                                                          dead_only=True)[2], (0, None)))
+  order = jax.jit(jax.vmap(lambda t, live: live_first_order(t, (rows, cols), live, minor_dim, width), (0, None)))
   for live in range(rows + 1):
-    i, j, dead = (np.asarray(a) for a in ordered(lin, jnp.int32(live)))
+    i, j = (np.asarray(a) for a in order(lin, jnp.int32(live)))
     assert sorted(zip(i.tolist(), j.tolist())) == [(a, b) for a in range(rows) for b in range(cols)], live
-    np.testing.assert_array_equal(dead, i >= live)
-    np.testing.assert_array_equal(np.asarray(dead_of(lin, jnp.int32(live))), dead)
-    live_at = np.flatnonzero(~dead)
-    if order == "last":
-      np.testing.assert_array_equal(live_at, np.arange(live * cols))
-    elif order == "first":
-      np.testing.assert_array_equal(live_at, np.arange(rows * cols - live * cols, rows * cols))
-    else:
-      share = np.cumsum(~dead) - (np.arange(rows * cols) + 1) * live / rows
-      assert (np.abs(share) <= 1).all(), live
+    assert (i[:live * cols] < live).all() and (i[live * cols:] >= live).all(), live
     if live:
       snake = jax.vmap(lambda t: plgpu.planar_snake(t, (live, cols), minor_dim, width))(lin[:live * cols])
-      np.testing.assert_array_equal(i[live_at], np.asarray(snake[0]))
-      np.testing.assert_array_equal(j[live_at], np.asarray(snake[1]))
+      np.testing.assert_array_equal(i[:live * cols], np.asarray(snake[0]))
+      np.testing.assert_array_equal(j[:live * cols], np.asarray(snake[1]))
 
 
-# The kinds a live-row count runs on: the persistent tile loop (clusters along M and N) in each order of the dead
-# tiles, and one CTA per tile with the launch positions reordered.
-@pytest.mark.parametrize("kind, order", [("ws2_m_128x128", "last"), ("ws2_m_128x128_k2_epi16", "last"),
-                                         ("ws2_n_64x128_clusterM", "last"), ("ws2_m_128x128_clusterN", "last"),
-                                         ("ws2_m_128x128", "first"), ("ws2_n_64x128_clusterM", "spread"),
-                                         ("ws2_m_128x128_clusterN", "first"), ("ws1_64x128", "spread")])
-def test_live_rows_on_a_persistent_grid(rng, kind, order):
+# The persistent kinds a live-row count runs on: the tile loop in live-first order, clusters along M and N.
+@pytest.mark.parametrize("kind", ["ws2_m_128x128", "ws2_m_128x128_k2_epi16", "ws2_n_64x128_clusterM",
+                                  "ws2_m_128x128_clusterN"])
+def test_live_rows_on_a_persistent_grid(rng, kind):
   """Every count on a CTA loop over several row tiles: the live rows match the reference, every other row is exactly
   0 (the interpreter fills unwritten memory with NaN, so a tile the loop skipped would show), codes and scales past
   the count are NaN poison."""
   m, n, k = 300, 256, 256
-  config = dataclasses.replace(KINDS[kind], dead_tile_order=order)
   a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k, decades=1.0)
   expect = ref.block_fp8_matmul(a_q, b_q, a_s, b_s, (128, 128), a_s_column_major=True)
   f = jax.jit(lambda a_q, a_s, live: gm.block_fp8_matmul(a_q, jnp.asarray(b_q), a_s, jnp.asarray(b_s),
-                                                          out_dtype=jnp.float32, config=config, num_sms=132,
+                                                          out_dtype=jnp.float32, config=KINDS[kind], num_sms=132,
                                                           live_rows=live, interpret=True))
   for live in sorted({0, 1, 64, int(rng.integers(65, m)), m, m + 7}):
     codes, scales = a_q.copy(), a_s.copy()
     codes[live:] = np.float32(np.nan).astype(ref.FP8)
     scales[:, live:m] = np.nan
     out = np.asarray(f(jnp.asarray(codes), jnp.asarray(scales), jnp.int32(live)))
-    assert (out[live:] == 0).all(), (kind, order, live)
+    assert (out[live:] == 0).all(), (kind, live)
     if live:
-      assert ref.relative_error(out[:live], expect[:live]) <= 2e-4, (kind, order, live)
+      assert ref.relative_error(out[:live], expect[:live]) <= 2e-4, (kind, live)
 
 
 @pytest.mark.parametrize("kind,out_dtype,bias_dtype", [
@@ -426,7 +408,7 @@ def test_any_m_and_any_scale_columns_run(rng):
     dict(tile_m=256, num_compute_wgs=4), dict(epi_tile_n=48), dict(epi_tile_n=128), dict(grid_size=0),
     dict(max_concurrent_steps=0), dict(max_concurrent_steps=2.0), dict(grid_tile_width=0),
     dict(cluster_dim=Dim.M, persistent=False), dict(cluster_dim=Dim.N, warp_specialized=False),
-    dict(live_grid=True, persistent=False), dict(dead_tile_order="middle"), dict(sub_tile_n=48),
+    dict(live_grid=True, persistent=False), dict(sub_tile_n=48),
     dict(sub_tile_n=4), dict(sub_tile_n=256), dict(sub_tile_n=True)],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_a_config_no_kernel_can_build_is_refused_when_made(kwargs):
@@ -449,8 +431,6 @@ def test_rejects_configs_that_do_not_fit_the_problem():
   assert any("warp-specialized" in p for p in gm.config_problems(MosaicGemmConfig(warp_specialized=False), 256,
                                                                  jnp.bfloat16, live_rows=True))
   assert any("live_grid" in p for p in problems(MosaicGemmConfig(live_grid=True)))  # the grouped kernel's only
-  assert any("dead_tile_order" in p for p in problems(MosaicGemmConfig(dead_tile_order="first")))  # no live rows
-  assert not gm.config_problems(MosaicGemmConfig(dead_tile_order="spread"), 256, jnp.bfloat16, live_rows=True)
   # Through the public function: a config that cannot run is refused with its problem, naming the config.
   args = _args()
   with pytest.raises(ValueError, match="tile_n=96.*must divide N=256"):
@@ -608,8 +588,8 @@ def test_default_config_follows_the_measurements():
 
 def test_without_the_register_split_prefill_takes_schedules_that_fit_the_launch_registers(monkeypatch):
   """Where the compiler ignores setmaxnreg (JAX 0.12's libnvJitLink path), every prefill choice has two consumer
-  warpgroups of at most 64x128 with one K block per step (they hold their accumulators in the launch's 168 registers
-  a thread); decode keeps its one-consumer schedule; the plan says why."""
+  warpgroups of at most 64x128 whose running and fresh wgmma accumulators take at most 128 registers a thread (of
+  the launch's 168); decode keeps its one-consumer schedule; the plan says why."""
   from pallas_kernels import _jax_compat
   assert _jax_compat.register_split_kept() == (tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12))
   for n, k in MODEL_SHAPES:
@@ -618,12 +598,14 @@ def test_without_the_register_split_prefill_takes_schedules_that_fit_the_launch_
       if config.num_compute_wgs == 1:  # the decode schedule over 64-row tiles (M <= 128)
         assert m <= 128 and config.tile_m == 64, (m, n, config)
         continue
-      assert (config.num_compute_wgs, config.k_blocks_per_step, config.cluster_dim) == (2, 1, None), (m, n, config)
+      assert (config.num_compute_wgs, config.cluster_dim) == (2, None), (m, n, config)
       assert config.wg_tile in ((64, 128), (64, 64)), (m, n, config)
+      wg_m, wg_n = config.wg_tile
+      assert wg_m * wg_n // 128 + config.k_blocks_per_step * 64 * config.sub_n // 128 <= 128, (m, n, config)
   assert mosaic_backend.default_config(64, 24576, 7168, num_sms=132, register_split=False) == \
       mosaic_backend.default_config(64, 24576, 7168, num_sms=132)
   schedules = mosaic_backend.live_row_schedules(4096, 24576, 7168, jnp.bfloat16, 132, register_split=False)
-  assert all(c.num_compute_wgs == 1 or (c.num_compute_wgs, c.k_blocks_per_step) == (2, 1) for c in schedules.configs)
+  assert all(c.num_compute_wgs in (1, 2) and c.cluster_dim is None for c in schedules.configs)
   problem = jaxfp8.gemm.problem(4096, 24576, 7168, (128, 128))
   for kept in (True, False):
     monkeypatch.setattr(_jax_compat, "register_split_kept", lambda kept=kept: kept)

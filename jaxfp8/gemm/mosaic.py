@@ -79,11 +79,13 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   of the persistent grid, real rows of the row tiles). `default_config` takes the best.
 
   register_split=False (`_jax_compat.register_split_kept`): the compiler ignores setmaxnreg, so only schedules whose
-  consumers fit the launch's register share: two consumer warpgroups of 64x128 with one K block per step, or of
-  64x64. On the H200 under JAX 0.12 (libnvJitLink) 128x128 tiles of the first kind ran 1198.5, 903.8 and 301.7 us at
-  M=4096 N=24576 K=7168, M=4096 N=7168 K=18432 and M=1024 N=24576 K=7168, their speed with ptxas (1199.1, 910.2,
-  301.5), where the shipped schedules spilled and ran 1931.0, 2162.7 and 694.0 (1051.5, 806.0, 280.2 with ptxas;
-  scripts/jax012_ab.sh)."""
+  consumers fit the launch's register share: two consumer warpgroups of 64x128 (two K blocks per step, promoted in
+  64-column sub-tiles: 64 + 2 x 32 accumulator registers), or of 64x64. On the H200 under JAX 0.12 (libnvJitLink)
+  128x128 tiles with one K block per step ran 1198.5, 903.8 and 301.7 us at M=4096 N=24576 K=7168, M=4096 N=7168
+  K=18432 and M=1024 N=24576 K=7168, their speed with ptxas (1199.1, 910.2, 301.5), where the shipped schedules
+  spilled and ran 1931.0, 2162.7 and 694.0 (1051.5, 806.0, 280.2 with ptxas; scripts/jax012_ab.sh). Two K blocks in
+  64-column sub-tiles then ran 1244.5, 923.6 and 309.1 us against 1255.3, 953.7 and 308.6 for one (H100, one
+  process each version; 0.11.2's schedules 1057.0, 806.5, 281.2)."""
   _K = _kernel()
   n_blocks = cdiv(n, BLOCK)  # 128-column tiles, the last one partial where N % 128
   wide_tiles = cdiv(m, 128) * n_blocks  # 128x128
@@ -94,8 +96,8 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
                                 epi_tile_n=epi_tile_n))
   if not register_split:
     return [(_SPEED_128X128 * _balance(wide_tiles, num_sms) * fill_128, _K.MosaicGemmConfig(
-        tile_m=128, tile_n=128, max_concurrent_steps=4, num_compute_wgs=2, wg_split=_K.Dim.M, grid_tile_width=16,
-        epi_tile_n=epi_tile_n)), narrow]
+        tile_m=128, tile_n=128, max_concurrent_steps=3, k_blocks_per_step=2, num_compute_wgs=2, wg_split=_K.Dim.M,
+        epi_tile_n=16, sub_tile_n=64)), narrow]
   scored: list[tuple[float, MosaicGemmConfig]] = []
   # 128x128 tiles, one 64x128 half per consumer warpgroup (DeepGEMM's shape), two K blocks per step (each
   # warpgroup's second wgmma overlaps the promotion of its first); three stages of 2 x 32 KiB leave room for
@@ -223,10 +225,6 @@ def row_alignment(m: int) -> tuple[int, str]:
 
 # With valid_rows, the row tiles past the count load nothing and run no wgmma (the kernel's live-row count).
 SKIPS_DEAD_ROWS = True
-# Where the tiles past the live count (zeros to store) go in the tile order (MosaicGemmConfig.dead_tile_order).
-# "last" stores them after the live tiles: at 100 live rows of 4096 (q_proj) the kernel spent 157 us against 56 for the
-# exact rows (H200), writing 196 MB of zeros at about 2 TB/s after the compute.
-DEAD_TILE_ORDER = "last"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,15 +250,14 @@ class LiveRowSchedules:
     return "LiveRowSchedules(" + "; ".join(f"live {lo}..{hi}: {config}" for lo, hi, config in self.ranges()) + ")"
 
 
-def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int, register_split: bool = True,
-                       dead_tile_order: str = DEAD_TILE_ORDER) -> LiveRowSchedules:
-  """The default schedule of every whole number of 64-row tiles up to `rows`, each distinct one compiled once, its
-  dead tiles in `dead_tile_order`."""
+def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int,
+                       register_split: bool = True) -> LiveRowSchedules:
+  """The default schedule of every whole number of 64-row tiles up to `rows`, each distinct one compiled once."""
   configs: list[MosaicGemmConfig] = []
   table = []
   for tiles in range(1, cdiv(rows, WGMMA_M) + 1):
-    config = dataclasses.replace(default_config(min(tiles * WGMMA_M, rows), n, k, out_dtype, num_sms=num_sms,
-                                                register_split=register_split), dead_tile_order=dead_tile_order)
+    config = default_config(min(tiles * WGMMA_M, rows), n, k, out_dtype, num_sms=num_sms,
+                            register_split=register_split)
     if config not in configs:
       configs.append(config)
     table.append(configs.index(config))

@@ -6,9 +6,8 @@ Contenders (names for --implementations), per weight (N, K), bucket B and live c
   "bucket_full"   baseline: the linear jitted for B rows, no valid_rows (every row computed)
   "exact"         reference point: the linear jitted for round_up(V, 64) rows, no valid_rows: what a call of the
                   live rows costs
-  "given_last", "given_first", "given_spread"   the B-row call with valid_rows=V and, given as its config, the
-                  schedule bucket_valid's switch picks for V with the dead tiles in that order (Mosaic GEMM only):
-                  the switch's cost (given_last against bucket_valid) and the order's (the other two against it)
+  "given_schedule"  the B-row call with valid_rows=V and, given as its config, the schedule bucket_valid's switch
+                  picks for V (Mosaic GEMM only): what the run-time choice of schedule costs (bucket_valid against it)
 valid_vs_exact = bucket_valid / exact (the target: <= 1.1). Every output is checked against the float64 reference on
 sampled live rows and column blocks (docs/CONTRACT.md §3, the bf16 bound), and bucket_valid's rows past V must be 0.
 The rows' M is V (the shape names the bucket: weight@B); FLOPs and bytes count the live rows only.
@@ -16,7 +15,6 @@ The rows' M is V (the shape names the bucket: weight@B); FLOPs and bytes count t
 
 from __future__ import annotations
 
-import dataclasses
 
 from collections.abc import Callable, Sequence
 
@@ -28,10 +26,8 @@ import jaxfp8
 from jaxfp8.gemm import mosaic as gemm_mosaic
 from jaxfp8.tools import args, bench_gemm, bench_linear, bench_report, results, timing
 
-ORDERS = ("last", "first", "spread")
-CONTENDERS = ("bucket_valid", "bucket_full", "exact") + tuple(f"given_{order}" for order in ORDERS)
-ROLES = {"bucket_valid": "ours", "bucket_full": "baseline", "exact": "reference",
-         **{f"given_{order}": "part" for order in ORDERS}}
+CONTENDERS = ("bucket_valid", "bucket_full", "exact", "given_schedule")
+ROLES = {"bucket_valid": "ours", "bucket_full": "baseline", "exact": "reference", "given_schedule": "part"}
 TARGET = 1.1
 # (weight name, N, K, ((bucket, live), ...)): DeepSeek-V3 q_proj (a prefill bucket half full, a smaller one nearly
 # empty), dense_down and Qwen3-32B qkv at a decode bucket.
@@ -92,15 +88,13 @@ def run(case, implementations: Sequence[str], *, block_size=(128, 128), iteratio
              "bucket_full": (plain, [(x, *w) for x, w in zip(xs, weights)], bucket),
              "exact": (plain, [(x[:exact_rows], *w) for x, w in zip(xs, weights)], min(exact_rows, bucket))}
     plan = jaxfp8.linear.explain(xs[0], weights[0][0], block_size, valid_rows=True)
-    for order in ORDERS:
-      given = _given(plan, live, order)
-      if given is not None:
-        calls[f"given_{order}"] = (_given_call(given, block_size), calls["bucket_valid"][1], bucket)
+    if (given := _given(plan, live)) is not None:
+      calls["given_schedule"] = (_given_call(given, block_size), calls["bucket_valid"][1], bucket)
     base = dict(shape=f"{name}@{bucket}", m=live, n=n, k=k, bucket=bucket, live=live, flops=2 * live * n * k,
                 bytes=n * k + 2 * live * (k + n))
     times, case_rows = {}, []
     for contender in implementations:
-      if contender not in calls:  # a given_* contender where the plan is not a Mosaic GEMM's schedules
+      if contender not in calls:  # given_schedule where the plan is not the Mosaic GEMM's schedules
         continue
       fn, arg_sets, computed = calls[contender]
       row = dict(base, contender=contender, rows_computed=computed)
@@ -109,7 +103,7 @@ def run(case, implementations: Sequence[str], *, block_size=(128, 128), iteratio
       try:
         out = fn(*arg_sets[0])
         # Only valid_rows promises zeros past the live rows; the others computed real rows there.
-        masked_call = contender == "bucket_valid" or contender.startswith("given_")
+        masked_call = contender in ("bucket_valid", "given_schedule")
         row.update(_check(out if masked_call else out[:live], xs[0], *weights[0], live, block_size))
         # the kernels (GPU) say what the call costs beyond the GEMM (the live-row count's switch, the quantizer)
         row["us"], kernels = timing.timed(fn, arg_sets, iterations=iterations, timer=timer)
@@ -118,7 +112,7 @@ def run(case, implementations: Sequence[str], *, block_size=(128, 128), iteratio
       except Exception as e:  # a failing contender is reported, not fatal for the others
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       case_rows.append(row)
-    for row in case_rows:  # bucket_valid's ratio, and the given_* ones' beside it
+    for row in case_rows:  # bucket_valid's ratio, and given_schedule's beside it
       if "exact" in times and row["contender"] in times and row["contender"] not in ("bucket_full", "exact"):
         row["valid_vs_exact"] = times[row["contender"]] / times["exact"]
     rows += case_rows
@@ -127,14 +121,14 @@ def run(case, implementations: Sequence[str], *, block_size=(128, 128), iteratio
   return rows
 
 
-def _given(plan, live: int, order: str):
-  """The Mosaic schedule the plan's switch picks for `live` rows, its dead tiles in `order` (None: the plan's GEMM
-  is not the Mosaic kernel's per-count schedules)."""
+def _given(plan, live: int):
+  """The Mosaic schedule the plan's switch picks for `live` rows (None: the plan's GEMM is not the Mosaic kernel's
+  per-count schedules)."""
   schedules = plan.gemm.config
   if not isinstance(schedules, gemm_mosaic.LiveRowSchedules):
     return None
   step = min(max(live - 1, 0) // gemm_mosaic.WGMMA_M, len(schedules.table) - 1)
-  return dataclasses.replace(schedules.configs[schedules.table[step]], dead_tile_order=order)
+  return schedules.configs[schedules.table[step]]
 
 
 def _given_call(config, block_size):
@@ -143,19 +137,23 @@ def _given_call(config, block_size):
 
 
 def summary_table(rows: list[dict]) -> str:
-  """One line per (weight, bucket, live): the three calls' us and bucket_valid / exact."""
+  """One line per (weight, bucket, live): the three calls' us and bucket_valid / exact, then given_schedule's where
+  it was timed (us and its ratio to exact)."""
   by_key: dict = {}
   for r in rows:
     by_key.setdefault((r["shape"], r["live"]), {})[r["implementation"]] = r
+  given = [c for c in ("given_schedule",) if any(c in cells for cells in by_key.values())]
   lines = [f"valid_rows (us): x = bucket with valid_rows / exact rows (target <= {TARGET}).", "",
-           "| weight@bucket | live | bucket, valid_rows | bucket, all rows | exact rows | x | rel err |",
-           "|---|---|---|---|---|---|---|"]
+           "| weight@bucket | live | bucket, valid_rows | bucket, all rows | exact rows | x | rel err |"
+           + "".join(f" {c} (x) |" for c in given),
+           "|---|---|---|---|---|---|---|" + "---|" * len(given)]
+  ratio = lambda row: f"{row['valid_vs_exact']:.2f}" if "valid_vs_exact" in row else "-"
   for (shape, live), cells in by_key.items():
     valid = cells.get("bucket_valid", {})
-    ratio = f"{valid['valid_vs_exact']:.2f}" if "valid_vs_exact" in valid else "-"
     exact = cells.get("exact")
     exact_cell = bench_report.cell_us(exact) + (f" ({exact['rows_computed']} rows)" if exact else "")
     err = f"{valid['rel_err']:.3g}" if "rel_err" in valid else "-"
     lines.append(f"| {shape} | {live} | {bench_report.cell_us(cells.get('bucket_valid'))} | "
-                 f"{bench_report.cell_us(cells.get('bucket_full'))} | {exact_cell} | {ratio} | {err} |")
+                 f"{bench_report.cell_us(cells.get('bucket_full'))} | {exact_cell} | {ratio(valid)} | {err} |"
+                 + "".join(f" {bench_report.cell_us(cells.get(c))} ({ratio(cells.get(c, {}))}) |" for c in given))
   return "\n".join(lines) + "\n"

@@ -44,7 +44,7 @@ COLORS = {
     "pallas_ragged_bf16": "#c5b0d5",
     "dense_same_rows": "#c49c94", "layer": "#f7b6d2", "steps_summed": "#dbdb8d", "fp8_fwd": "#9edae5",
     "fp8_fwd_bwd": "#e7298a", "bf16_bwd": "#66a61e", "bf16_layer": "#e6ab02", "bucket_valid": "#a6761d",
-    "bucket_full": "#666666", "exact": "#393bb9",
+    "bucket_full": "#666666", "exact": "#393bb9", "given_schedule": "#e7ba52",
 }
 _SPARE_COLORS = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354")
 REFERENCE_LINE = dict(color="black", ls="--", lw=1.0)
