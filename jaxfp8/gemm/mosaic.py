@@ -7,8 +7,11 @@ the kernel file: the kernel (`pallas_kernels/gemm_mosaic.py`) builds any config 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
-from typing import TYPE_CHECKING
+import importlib.resources
+import json
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -141,11 +144,55 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
   return scored
 
 
+# Per device, the schedules measured fastest at given (N, K, M) where the heuristic's lost by more than 2%: data, as
+# the sweeps that found them wrote it (jaxfp8/gemm/configs/, each table's "source" says how). A device without a
+# table takes the heuristic, whose speeds come from the H200 sweeps.
+MEASURED_TABLES = {"NVIDIA H100": "mosaic_gemm_h100.json"}
+
+
+@functools.cache
+def load_table(name: str) -> dict[str, Any]:
+  """A measured table as a dict ({"device", "source", "note", "entries"}); empty entries if the file is missing."""
+  try:
+    text = importlib.resources.files("jaxfp8.gemm").joinpath("configs", name).read_text()
+  except (FileNotFoundError, ModuleNotFoundError):
+    return {"device": None, "entries": {}}
+  return json.loads(text)
+
+
+def m_bucket(m: int) -> int:
+  """The power of two at or above m: a measured entry serves every M of its bucket."""
+  return 1 << max(m - 1, 0).bit_length()
+
+
+def measured_entry(m: int, n: int, k: int, device_kind: str | None) -> tuple[str, int, dict] | None:
+  """(table name, measured M, entry) of the measured table of `device_kind` for (N, K) at an M of m's bucket."""
+  for device, name in MEASURED_TABLES.items():
+    if device_kind and device.lower() in device_kind.lower():
+      for key, entry in load_table(name)["entries"].items():
+        e_n, e_k, e_m = (int(x) for x in key.split(","))
+        if (e_n, e_k) == (n, k) and m_bucket(e_m) == m_bucket(m):
+          return name, e_m, entry
+  return None
+
+
+def entry_config(entry: dict) -> MosaicGemmConfig:
+  """The MosaicGemmConfig of a measured entry (Dim fields by name)."""
+  _K = _kernel()
+  fields = {key: (_K.Dim[value] if key in ("wg_split", "grid_minor_dim", "cluster_dim") and value is not None
+                  else value) for key, value in entry["config"].items()}
+  return _K.MosaicGemmConfig(**fields)
+
+
 def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: int,
-                   register_split: bool = True) -> MosaicGemmConfig:
+                   register_split: bool = True, device_kind: str | None = None) -> MosaicGemmConfig:
   """The schedule for a_q of m rows (padding rows count: they cost what real ones do, unlike TMA's zero fill of rows
-  past a_q), from the H200 sweeps of the Mosaic GEMM's configs (benchmarks/README.md). register_split: whether the
-  compiler keeps setmaxnreg (`prefill_candidates`; the decode schedules have one consumer and need no split)."""
+  past a_q): the device's measured entry for (N, K) at m's bucket (`measured_entry`; with the register split only:
+  the entries were measured with it), else the heuristic from the H200 sweeps of the Mosaic GEMM's configs
+  (benchmarks/README.md). register_split: whether the compiler keeps setmaxnreg (`prefill_candidates`; the decode
+  schedules have one consumer and need no split)."""
+  if register_split and (found := measured_entry(m, n, k, device_kind)) is not None:
+    return _fit_smem(entry_config(found[2]), out_dtype, k)
   _K = _kernel()
   epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
   if m <= WGMMA_M:
@@ -250,14 +297,14 @@ class LiveRowSchedules:
     return "LiveRowSchedules(" + "; ".join(f"live {lo}..{hi}: {config}" for lo, hi, config in self.ranges()) + ")"
 
 
-def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int,
-                       register_split: bool = True) -> LiveRowSchedules:
+def live_row_schedules(rows: int, n: int, k: int, out_dtype, num_sms: int, register_split: bool = True,
+                       device_kind: str | None = None) -> LiveRowSchedules:
   """The default schedule of every whole number of 64-row tiles up to `rows`, each distinct one compiled once."""
   configs: list[MosaicGemmConfig] = []
   table = []
   for tiles in range(1, cdiv(rows, WGMMA_M) + 1):
     config = default_config(min(tiles * WGMMA_M, rows), n, k, out_dtype, num_sms=num_sms,
-                            register_split=register_split)
+                            register_split=register_split, device_kind=device_kind)
     if config not in configs:
       configs.append(config)
     table.append(configs.index(config))
@@ -273,12 +320,18 @@ def default_config_for(problem, device: _platform.Device):
   why_split = "" if split else ("; this JAX compiles Mosaic kernels without setmaxnreg (libnvJitLink), so the "
                                 "schedules whose consumers fit the launch's registers")
   if problem.masked:
-    schedules = live_row_schedules(problem.m, problem.n, problem.k, problem.out_dtype, device.num_sms, split)
+    schedules = live_row_schedules(problem.m, problem.n, problem.k, problem.out_dtype, device.num_sms, split,
+                                   device.kind)
     return schedules, (f"valid_rows: {len(schedules.configs)} schedule(s) on {device.num_sms} SMs, the one the live "
                        "count's 64-row tiles would get chosen at run time; the row tiles past valid_rows are skipped"
                        + why_split)
   config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms,
-                          register_split=split)
+                          register_split=split, device_kind=device.kind)
+  if split and (found := measured_entry(problem.rows, problem.n, problem.k, device.kind)) is not None:
+    name, measured_m, entry = found
+    return config, (f"measured fastest on {device.describe()} at M={measured_m} (table {name}, taken for M up to "
+                    f"{m_bucket(measured_m)}): {entry['us']} us where the heuristic's schedule took "
+                    f"{entry['heuristic_us']}")
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
   return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs" + why_split
 
