@@ -145,8 +145,9 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
 
 
 # Per device, the schedules measured fastest at given (N, K, M) where the heuristic's lost by more than 2%: data, as
-# the sweeps that found them wrote it (jaxfp8/gemm/configs/, each table's "source" says how). A device without a
-# table takes the heuristic, whose speeds come from the H200 sweeps.
+# the sweeps that found them wrote it (jaxfp8/gemm/configs/, each table's "source" says how), each serving the M
+# with as many 64-row tiles (`m_bucket`). A device without a table takes the heuristic, whose speeds come from the
+# H200 sweeps.
 MEASURED_TABLES = {"NVIDIA H100": "mosaic_gemm_h100.json"}
 
 
@@ -161,8 +162,10 @@ def load_table(name: str) -> dict[str, Any]:
 
 
 def m_bucket(m: int) -> int:
-  """The power of two at or above m: a measured entry serves every M of its bucket."""
-  return 1 << max(m - 1, 0).bit_length()
+  """The rows a measured entry at m serves up to: the M with as many 64-row tiles as m. Wider buckets carried a
+  schedule where it lost (H100: the 128x256 tiles measured fastest at M=4096 N=7168 K=2048, 103.4 us against 109.6,
+  ran 87.0 at M=3000 where the heuristic's took 76.7)."""
+  return cdiv(max(m, 1), WGMMA_M) * WGMMA_M
 
 
 def measured_entry(m: int, n: int, k: int, device_kind: str | None) -> tuple[str, int, dict] | None:
@@ -187,7 +190,7 @@ def entry_config(entry: dict) -> MosaicGemmConfig:
 def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: int,
                    register_split: bool = True, device_kind: str | None = None) -> MosaicGemmConfig:
   """The schedule for a_q of m rows (padding rows count: they cost what real ones do, unlike TMA's zero fill of rows
-  past a_q): the device's measured entry for (N, K) at m's bucket (`measured_entry`; with the register split only:
+  past a_q): the device's measured entry for (N, K) at m's 64-row tiles (`measured_entry`; with the register split only:
   the entries were measured with it), else the heuristic from the H200 sweeps of the Mosaic GEMM's configs
   (benchmarks/README.md). register_split: whether the compiler keeps setmaxnreg (`prefill_candidates`; the decode
   schedules have one consumer and need no split)."""
@@ -329,9 +332,9 @@ def default_config_for(problem, device: _platform.Device):
                           register_split=split, device_kind=device.kind)
   if split and (found := measured_entry(problem.rows, problem.n, problem.k, device.kind)) is not None:
     name, measured_m, entry = found
-    return config, (f"measured fastest on {device.describe()} at M={measured_m} (table {name}, taken for M up to "
-                    f"{m_bucket(measured_m)}): {entry['us']} us where the heuristic's schedule took "
-                    f"{entry['heuristic_us']}")
+    return config, (f"measured fastest on {device.describe()} at M={measured_m} (table {name}, taken for M in "
+                    f"{m_bucket(measured_m) - WGMMA_M + 1}..{m_bucket(measured_m)}): {entry['us']} us where the "
+                    f"heuristic's schedule took {entry['heuristic_us']}")
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
   return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs" + why_split
 
