@@ -23,6 +23,11 @@
 #   gemm-grid     python -m jaxfp8 bench --ops=gemm at M in {1, 7, 64, 100, 128, 256, 511, 512, 1000, 1024, 2048, 3000,
 #                 4096} beside cuBLAS blockwise (issue 37), GRID_MODELS of shapes.json per call (e.g.
 #                 deepseek_v3_tp8,deepseek_v3_tp16,qwen3_4b in a second call); not yet timed
+#   gemm-sweep    python -m jaxfp8 bench --ops=gemm at the (M, N, K) of SWEEP_SHAPES (default: the 41 points of
+#                 benchmarks/gemm_medium_m_h200.json below 0.98x cuBLAS) with the planner, cuBLAS blockwise and the 8
+#                 schedules of SWEEP_CONFIGS, one process; then scripts/mosaic_table_from_sweep.py writes the device's
+#                 measured table to $out/mosaic_gemm_table.json (SWEEP_DEVICE, default "NVIDIA H200"; copy it into
+#                 jaxfp8/gemm/configs/ and name it in MEASURED_TABLES). 12 points took 104 s on an H100
 #   bench-quant   python -m jaxfp8 bench --ops=quant at the quantizer's widths K = 512..18432 and M = 1..16384
 #                 (~2 min; BENCH_QUANT_ARGS overrides them)
 #   grouped       the grouped GEMM's GPU tests (tests/test_grouped.py -m hopper: DeepSeek-V3 EP8 and Qwen3-30B-A3B
@@ -144,6 +149,14 @@ for phase in "${phases[@]}"; do
                run gemm_grid python3 -m jaxfp8 bench --ops=gemm --models=${GRID_MODELS:-deepseek_v3,qwen3_32b} \
                  --m=1,7,64,100,128,256,511,512,1000,1024,2048,3000,4096 --implementations=mosaic,triton,torch_scaled_mm \
                  --time_budget_s=${GRID_BUDGET_S:-500} --out="$out/gemm_grid_h200.json" ;;
+    gemm-sweep) # the schedules a measured table picks from (jaxfp8/gemm/mosaic.py MEASURED_TABLES)
+                sweep_configs=${SWEEP_CONFIGS:-"mosaic:tile_m=128,tile_n=128,max_concurrent_steps=3,k_blocks_per_step=2,num_compute_wgs=2,wg_split=M,epi_tile_n=16;mosaic:tile_m=64,tile_n=128,max_concurrent_steps=6,num_compute_wgs=2,wg_split=N;mosaic:tile_m=128,tile_n=256,max_concurrent_steps=4,num_compute_wgs=2,wg_split=N;mosaic:tile_m=64,tile_n=128,max_concurrent_steps=4,k_blocks_per_step=2,num_compute_wgs=1,persistent=false,weight_scales_ahead=true;mosaic:tile_m=64,tile_n=64,max_concurrent_steps=4,k_blocks_per_step=2,num_compute_wgs=1,persistent=false,weight_scales_ahead=true;mosaic:tile_m=192,tile_n=128,max_concurrent_steps=4,num_compute_wgs=3,cluster_dim=N,grid_tile_width=16;mosaic:tile_m=128,tile_n=128,max_concurrent_steps=3,k_blocks_per_step=2,num_compute_wgs=2,wg_split=M,epi_tile_n=16,persistent=false;mosaic:tile_m=256,tile_n=128,max_concurrent_steps=3,num_compute_wgs=2,wg_split=M"}
+                sweep_shapes=${SWEEP_SHAPES:-"100,1536,7168;100,4096,7168;100,5120,8192;100,5120,25600;100,10240,5120;100,24576,1536;100,24576,7168;100,32768,512;100,36864,7168;100,51200,5120;128,10240,5120;128,24576,1536;128,24576,7168;128,32768,512;128,36864,7168;128,51200,5120;256,5120,8192;256,7168,2048;256,7168,16384;256,7168,18432;256,24576,1536;256,24576,7168;256,32768,512;256,36864,7168;256,51200,5120;512,4096,7168;512,7168,2048;512,24576,1536;512,24576,7168;512,32768,512;512,36864,7168;512,51200,5120;1000,7168,2048;1000,7168,16384;1000,7168,18432;1000,10240,5120;1000,24576,7168;1000,32768,512;1000,36864,7168;1000,51200,5120;3000,32768,512"}
+                run gemm_sweep python3 -m jaxfp8 bench --ops=gemm --shapes="$sweep_shapes" \
+                  --implementations=mosaic,torch_scaled_mm --gemm_configs="$sweep_configs" --seed=0 \
+                  --time_budget_s=${SWEEP_BUDGET_S:-500} --out="$out/gemm_sweep.json"
+                run mosaic_table python3 scripts/mosaic_table_from_sweep.py "$out/gemm_sweep.json" \
+                  "${SWEEP_DEVICE:-NVIDIA H200}" "$out/mosaic_gemm_table.json" ;;
     bench-quant) run bench_quant python3 -m jaxfp8 bench --ops=quant ${BENCH_QUANT_ARGS:---k=512,2048,7168,18432 \
                    --m=1,16,64,256,1024,4096,16384} --out="$out/quant_h200.json" ;;
     bench-gemm) run bench_gemm python3 -m jaxfp8 bench --ops=gemm ${BENCH_GEMM_ARGS:-} --out="$out/gemm_h200.json" ;;

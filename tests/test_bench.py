@@ -560,3 +560,28 @@ def test_kernel_times_by_name_split_calls_and_kernels(monkeypatch):
   assert timing.median_kernel_us_by_name(lambda: None, [()], iterations=3) == (13.5, {"gemm": 11.0, "reduce": 2.5})
   with pytest.raises(RuntimeError, match="not the same kernels each call"):
     timing.median_kernel_us_by_name(lambda: None, [()], iterations=4)
+
+
+def test_mosaic_table_from_sweep_keeps_the_winners_by_more_than_2_percent():
+  """scripts/mosaic_table_from_sweep.py: an (M, N, K) whose fastest config beat the planner's by more than 2% becomes
+  an entry with that config's fields and the three times; a point where the planner's was within 2% does not; the
+  entry's config builds back."""
+  sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+  try:
+    import mosaic_table_from_sweep as script
+  finally:
+    sys.path.pop(0)
+  wide = "mosaic[tile_m=128,tile_n=256,max_concurrent_steps=4,num_compute_wgs=2,wg_split=N]"
+  k2 = "mosaic[tile_m=128,tile_n=128,max_concurrent_steps=3,k_blocks_per_step=2,num_compute_wgs=2,wg_split=M]"
+  rows = [dict(m=1024, n=3072, k=7168, implementation=name, us=us)
+          for name, us in (("mosaic", 60.0), ("torch_scaled_mm", 44.0), (wide, 50.0), (k2, 47.0))]
+  rows += [dict(m=512, n=6144, k=2560, implementation=name, us=us)
+           for name, us in (("mosaic", 20.0), ("torch_scaled_mm", 19.0), (wide, 19.8), (k2, None))]
+  table = script.table(dict(rows=rows, command="bench ...", device="NVIDIA H100 80GB HBM3", jax_version="0.11.2"),
+                       "NVIDIA H100")
+  assert list(table["entries"]) == ["3072,7168,1024"] and "NVIDIA H100 80GB HBM3" in table["source"]
+  entry = table["entries"]["3072,7168,1024"]
+  assert (entry["us"], entry["heuristic_us"], entry["cublas_us"]) == (47.0, 60.0, 44.0)
+  from jaxfp8.gemm import mosaic
+  config = mosaic.entry_config(entry)
+  assert (config.tile_m, config.tile_n, config.k_blocks_per_step, config.wg_split.name) == (128, 128, 2, "M")
