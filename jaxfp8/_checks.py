@@ -114,9 +114,9 @@ def eps(value) -> float:
 def valid_rows(value, rows: int):
   """The live-row count of a call of `rows` rows: None, a Python int in [0, rows], or an integer array of shape ()
   (traced or not: taken as clipped to [0, rows], since a traced value cannot be checked). Returns None or an int32
-  array of shape (): a Python int or host array checked or clipped here; a traced int32 count as it is, since every
-  consumer clips it or only compares row indices against it (a clip here would be a kernel launch of its own); a
-  traced count of another integer dtype clipped in that dtype, then cast."""
+  array of shape (): a Python int or host array checked or clipped here; an int32 device or traced count as it is,
+  since every consumer clips it or only compares row indices against it (a clip here would be a kernel launch of its
+  own); a device or traced count of another integer dtype clipped in that dtype, then cast."""
   if value is None:
     return None
   if isinstance(value, (bool, np.bool_)):

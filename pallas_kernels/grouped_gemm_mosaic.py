@@ -97,7 +97,7 @@ def silu_quant_problems(config: MosaicGemmConfig, n: int, h_dtype) -> list[str]:
                     f"wg_split={config.wg_split.name}")
   if not config.warp_specialized or config.cluster_dim is not None:
     problems.append("the fused epilogue is warp-specialized without clusters")
-  if config.sub_tile_n is not None:
+  if config.sub_n != BLOCK:
     problems.append(f"the fused epilogue takes each consumer's {BLOCK} columns as one sub-tile (sub_tile_n=None), "
                     f"got sub_tile_n={config.sub_tile_n}")
   if jnp.dtype(h_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

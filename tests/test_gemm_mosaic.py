@@ -624,7 +624,10 @@ def test_measured_table_serves_its_device_and_bucket_only(monkeypatch):
   0.12's register-light schedules); the plan names the table; each lowers for CUDA."""
   table = mosaic_backend.load_table(mosaic_backend.MEASURED_TABLES["NVIDIA H100"])
   assert table["device"] == "NVIDIA H100" and table["entries"] and "bench" in table["source"]
-  heuristic = lambda m, n, k, **kw: mosaic_backend.default_config(m, n, k, num_sms=132, **kw)
+  assert table["num_sms"] == 132
+  keys = [tuple(int(x) for x in key.split(",")) for key in table["entries"]]
+  assert len({(n, k, mosaic_backend.m_bucket(m)) for n, k, m in keys}) == len(keys)  # one entry a bucket
+  heuristic = lambda m, n, k, num_sms=132, **kw: mosaic_backend.default_config(m, n, k, num_sms=num_sms, **kw)
   for key, entry in table["entries"].items():
     n, k, m = (int(x) for x in key.split(","))
     config = mosaic_backend.entry_config(entry)
@@ -635,10 +638,12 @@ def test_measured_table_serves_its_device_and_bucket_only(monkeypatch):
     for rows in {m, bucket, bucket - 63}:
       assert heuristic(rows, n, k, device_kind=H100) == mosaic_backend._fit_smem(config, jnp.bfloat16, k), key
       assert heuristic(rows, n, k, device_kind="NVIDIA H200") == heuristic(rows, n, k), key
+      # an H100 of another SM count (PCIe, a MIG slice) has other waves than the one measured
+      assert heuristic(rows, n, k, 114, device_kind="NVIDIA H100 PCIe") == heuristic(rows, n, k, 114), key
       assert heuristic(rows, n, k, device_kind=H100, register_split=False) == heuristic(rows, n, k,
                                                                                         register_split=False)
     for rows in (bucket - 64, bucket + 1):
-      if rows > 0 and mosaic_backend.measured_entry(rows, n, k, H100) is None:
+      if rows > 0 and mosaic_backend.measured_entry(rows, n, k, H100, 132) is None:
         assert heuristic(rows, n, k, device_kind=H100) == heuristic(rows, n, k), (key, rows)
     from pallas_kernels import _jax_compat
     monkeypatch.setattr(_jax_compat, "register_split_kept", lambda: True)  # as under JAX 0.11, where it was measured

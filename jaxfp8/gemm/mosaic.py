@@ -168,11 +168,13 @@ def m_bucket(m: int) -> int:
   return cdiv(max(m, 1), WGMMA_M) * WGMMA_M
 
 
-def measured_entry(m: int, n: int, k: int, device_kind: str | None) -> tuple[str, int, dict] | None:
-  """(table name, measured M, entry) of the measured table of `device_kind` for (N, K) at an M of m's bucket."""
+def measured_entry(m: int, n: int, k: int, device_kind: str | None, num_sms: int) -> tuple[str, int, dict] | None:
+  """(table name, measured M, entry) of the measured table of `device_kind` for (N, K) at an M of m's bucket; a
+  table serves only the SM count it was measured on (an H100 PCIe or a MIG slice has other waves)."""
   for device, name in MEASURED_TABLES.items():
-    if device_kind and device.lower() in device_kind.lower():
-      for key, entry in load_table(name)["entries"].items():
+    table = load_table(name)
+    if device_kind and device.lower() in device_kind.lower() and table.get("num_sms") == num_sms:
+      for key, entry in table["entries"].items():
         e_n, e_k, e_m = (int(x) for x in key.split(","))
         if (e_n, e_k) == (n, k) and m_bucket(e_m) == m_bucket(m):
           return name, e_m, entry
@@ -194,7 +196,7 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: i
   the entries were measured with it), else the heuristic from the H200 sweeps of the Mosaic GEMM's configs
   (benchmarks/README.md). register_split: whether the compiler keeps setmaxnreg (`prefill_candidates`; the decode
   schedules have one consumer and need no split)."""
-  if register_split and (found := measured_entry(m, n, k, device_kind)) is not None:
+  if register_split and (found := measured_entry(m, n, k, device_kind, num_sms)) is not None:
     return _fit_smem(entry_config(found[2]), out_dtype, k)
   _K = _kernel()
   epi_tile_n = None  # 128-byte epilogue rows: two 8 KiB slots per consumer warpgroup
@@ -330,7 +332,7 @@ def default_config_for(problem, device: _platform.Device):
                        + why_split)
   config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms,
                           register_split=split, device_kind=device.kind)
-  if split and (found := measured_entry(problem.rows, problem.n, problem.k, device.kind)) is not None:
+  if split and (found := measured_entry(problem.rows, problem.n, problem.k, device.kind, device.num_sms)) is not None:
     name, measured_m, entry = found
     return config, (f"measured fastest on {device.describe()} at M={measured_m} (table {name}, taken for M in "
                     f"{m_bucket(measured_m) - WGMMA_M + 1}..{m_bucket(measured_m)}): {entry['us']} us where the "
@@ -374,6 +376,6 @@ def launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, problem, config, interpr
   if len(branches) == 1:
     return branches[0](a_q, b_q, a_s, b_s, bias, valid_rows)
   # A count below 1 or past the bucket takes the first or the last step's schedule; the kernel clips the count.
-  step = jnp.clip((jnp.asarray(valid_rows, jnp.int32) - 1) // WGMMA_M, 0, len(config.table) - 1)
+  step = jnp.clip((jnp.maximum(jnp.asarray(valid_rows, jnp.int32), 1) - 1) // WGMMA_M, 0, len(config.table) - 1)
   index = jnp.asarray(config.table, jnp.int32)[step]
   return jax.lax.switch(index, branches, a_q, b_q, a_s, b_s, bias, valid_rows)
