@@ -622,7 +622,7 @@ def test_measured_table_serves_its_device_and_bucket_only(monkeypatch):
   """The H100 table's entries: configs that run their (N, K) and beat the heuristic as measured; each serves every M
   with as many 64-row tiles on an H100 with the register split, and nothing else (another device, other M, JAX
   0.12's register-light schedules); the plan names the table; each lowers for CUDA."""
-  table = mosaic_backend.load_table(mosaic_backend.MEASURED_TABLES["NVIDIA H100"])
+  [table] = (jaxfp8.gemm.tables.load(name) for name in mosaic_backend.MEASURED_TABLES)
   assert table["device"] == "NVIDIA H100" and table["entries"] and "bench" in table["source"]
   assert table["num_sms"] == 132
   keys = [tuple(int(x) for x in key.split(",")) for key in table["entries"]]

@@ -7,16 +7,14 @@ the kernel file: the kernel (`pallas_kernels/gemm_mosaic.py`) builds any config 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-import importlib.resources
-import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform
+from jaxfp8.gemm import tables
 
 if TYPE_CHECKING:
   from pallas_kernels.gemm_mosaic import MosaicGemmConfig
@@ -148,17 +146,7 @@ def prefill_candidates(m: int, n: int, num_sms: int, epi_tile_n: int | None = No
 # the sweeps that found them wrote it (jaxfp8/gemm/configs/, each table's "source" says how), each serving the M
 # with as many 64-row tiles (`m_bucket`). A device without a table takes the heuristic, whose speeds come from the
 # H200 sweeps.
-MEASURED_TABLES = {"NVIDIA H100": "mosaic_gemm_h100.json"}
-
-
-@functools.cache
-def load_table(name: str) -> dict[str, Any]:
-  """A measured table as a dict ({"device", "source", "note", "entries"}); empty entries if the file is missing."""
-  try:
-    text = importlib.resources.files("jaxfp8.gemm").joinpath("configs", name).read_text()
-  except (FileNotFoundError, ModuleNotFoundError):
-    return {"device": None, "entries": {}}
-  return json.loads(text)
+MEASURED_TABLES = ("mosaic_gemm_h100.json",)  # each file says its "device" and "num_sms"
 
 
 def m_bucket(m: int) -> int:
@@ -171,9 +159,9 @@ def m_bucket(m: int) -> int:
 def measured_entry(m: int, n: int, k: int, device_kind: str | None, num_sms: int) -> tuple[str, int, dict] | None:
   """(table name, measured M, entry) of the measured table of `device_kind` for (N, K) at an M of m's bucket; a
   table serves only the SM count it was measured on (an H100 PCIe or a MIG slice has other waves)."""
-  for device, name in MEASURED_TABLES.items():
-    table = load_table(name)
-    if device_kind and device.lower() in device_kind.lower() and table.get("num_sms") == num_sms:
+  for name in MEASURED_TABLES:
+    table = tables.load(name)
+    if table and tables.applies(device_kind, table) and table.get("num_sms") == num_sms:
       for key, entry in table["entries"].items():
         e_n, e_k, e_m = (int(x) for x in key.split(","))
         if (e_n, e_k) == (n, k) and m_bucket(e_m) == m_bucket(m):
@@ -288,6 +276,11 @@ class LiveRowSchedules:
   configs: tuple[MosaicGemmConfig, ...]
   table: tuple[int, ...]
 
+  def step(self, count):
+    """The table index of a live-row count (a Python int or an int32 array, traced or not): a count below 1 or past
+    the bucket takes the first or the last step (the kernel clips the count itself)."""
+    return jnp.clip((jnp.maximum(count, 1) - 1) // WGMMA_M, 0, len(self.table) - 1)
+
   def ranges(self) -> list[tuple[int, int, MosaicGemmConfig]]:
     """(first count, last count, config) of each run of 64-row steps with one schedule."""
     runs: list[tuple[int, int, MosaicGemmConfig]] = []
@@ -330,13 +323,14 @@ def default_config_for(problem, device: _platform.Device):
     return schedules, (f"valid_rows: {len(schedules.configs)} schedule(s) on {device.num_sms} SMs, the one the live "
                        "count's 64-row tiles would get chosen at run time; the row tiles past valid_rows are skipped"
                        + why_split)
-  config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms,
-                          register_split=split, device_kind=device.kind)
   if split and (found := measured_entry(problem.rows, problem.n, problem.k, device.kind, device.num_sms)) is not None:
     name, measured_m, entry = found
-    return config, (f"measured fastest on {device.describe()} at M={measured_m} (table {name}, taken for M in "
-                    f"{m_bucket(measured_m) - WGMMA_M + 1}..{m_bucket(measured_m)}): {entry['us']} us where the "
-                    f"heuristic's schedule took {entry['heuristic_us']}")
+    return _fit_smem(entry_config(entry), problem.out_dtype, problem.k), (
+        f"measured fastest on {device.describe()} at M={measured_m} (table {name}, taken for M in "
+        f"{m_bucket(measured_m) - WGMMA_M + 1}..{m_bucket(measured_m)}): {entry['us']} us where the heuristic's "
+        f"schedule took {entry['heuristic_us']}")
+  config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms,
+                          register_split=split)
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
   return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs" + why_split
 
@@ -375,7 +369,5 @@ def launch_masked(a_q, b_q, a_s, b_s, bias, valid_rows, problem, config, interpr
               for c in config.configs]
   if len(branches) == 1:
     return branches[0](a_q, b_q, a_s, b_s, bias, valid_rows)
-  # A count below 1 or past the bucket takes the first or the last step's schedule; the kernel clips the count.
-  step = jnp.clip((jnp.maximum(jnp.asarray(valid_rows, jnp.int32), 1) - 1) // WGMMA_M, 0, len(config.table) - 1)
-  index = jnp.asarray(config.table, jnp.int32)[step]
+  index = jnp.asarray(config.table, jnp.int32)[config.step(jnp.asarray(valid_rows, jnp.int32))]
   return jax.lax.switch(index, branches, a_q, b_q, a_s, b_s, bias, valid_rows)

@@ -11,13 +11,11 @@ Entries are only ever measured numbers: the shipped file says "tuned": false unt
 
 from __future__ import annotations
 
-import functools
-import importlib.resources
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from jaxfp8 import _platform
+from jaxfp8.gemm import tables
 from pallas_kernels import gemm_triton
 from pallas_kernels.gemm_triton import TritonGemmConfig, config_problems, pow2_ceil
 
@@ -42,14 +40,9 @@ def table_key(n: int, k: int, block_size: tuple[int, int], bucket: int) -> str:
   return f"{n},{k},{gn},{gk},{bucket}"
 
 
-@functools.cache
 def load_table(name: str = H200_TABLE) -> Mapping[str, Any]:
   """The shipped table as a dict ({"device", "tuned", "entries"}); an empty table if the file is missing."""
-  try:
-    text = importlib.resources.files("jaxfp8.gemm").joinpath("configs", name).read_text()
-  except (FileNotFoundError, ModuleNotFoundError):
-    return {"device": None, "tuned": False, "entries": {}}
-  return json.loads(text)
+  return tables.load(name) or {"device": None, "tuned": False, "entries": {}}
 
 
 def _block_k_for(gk: int) -> int:
@@ -96,11 +89,6 @@ def heuristic_config(m: int, n: int, k: int, block_size: tuple[int, int], *, num
   return config
 
 
-def _device_table_applies(device_kind: str | None, table: Mapping[str, Any]) -> bool:
-  table_device = table.get("device")
-  return bool(device_kind and table_device and table_device.lower() in device_kind.lower())
-
-
 def _nearest_entry(entries: Mapping[str, Any], n: int, k: int, block_size: tuple[int, int], m: int):
   """The entry of M's bucket; else, of the same shape, the nearest tuned bucket above M, else the largest below."""
   tuned = [b for b in M_BUCKETS if table_key(n, k, block_size, b) in entries]
@@ -117,7 +105,7 @@ def get_config(
 ) -> TritonGemmConfig | None:
   """The tuned config for this shape on this device if the table has one, else `heuristic_config`."""
   table = load_table() if table is None else table
-  if _device_table_applies(device_kind, table):
+  if tables.applies(device_kind, table):
     config = entry_config(_nearest_entry(table.get("entries", {}), n, k, tuple(block_size), m), block_size)
     if config is not None:
       return config
@@ -166,7 +154,7 @@ def default_config_for(problem, device: _platform.Device):
   """The tuned table's entry for this device and shape (by the live rows' bucket), else the heuristic."""
   table = load_table()
   m = problem.m
-  if _device_table_applies(device.kind, table):
+  if tables.applies(device.kind, table):
     entry = _nearest_entry(table.get("entries", {}), problem.n, problem.k, tuple(problem.block_size), m)
     config = entry_config(entry, problem.block_size)
     if config is not None:

@@ -126,8 +126,7 @@ def _given(plan, live: int):
   schedules = plan.gemm.config
   if not isinstance(schedules, gemm_mosaic.LiveRowSchedules):
     return None
-  step = min(max(live - 1, 0) // gemm_mosaic.WGMMA_M, len(schedules.table) - 1)
-  return schedules.configs[schedules.table[step]]
+  return schedules.configs[schedules.table[int(schedules.step(live))]]
 
 
 def _given_call(config, block_size):
