@@ -24,6 +24,11 @@ K/G; a one-row block's q store then leaves out the groups past K/G, a taller blo
 contiguous and goes out by a tiled TMA store, which clips it per dimension). Shifted blocks overlap their neighbour; overlapping
 CTAs write bit-identical values, so the overlap is harmless. Pad rows (t >= valid_rows[e], and
 t >= T) are zeroed on the way in, and get q = 0 and scale 1.0.
+
+Gathered rows (`source`, the MoE layer's quantize-and-permute): output row r is input row source[r] // divisor, so a
+permute after the quantizer is not needed. Each row of a block is then its own TMA load (all on the block's one
+barrier), a row of a block must be whole 128-byte TMA units, and valid_rows counts output rows: rows from the count
+on read input row 0 and are pad rows as above.
 """
 
 from __future__ import annotations
@@ -162,12 +167,15 @@ class _Plan:
   blocks_per_cta: int
   num_splits: int
   load_rows: int  # rows of an input TMA load: block_rows, more for blocks under 128 bytes
+  gather: bool  # each row its own load from the row `source` names
+  live_limit: int  # valid_rows is clipped to [0, live_limit]: T, or out_rows when gathering
   num_stages: int
   num_q_buffers: int
   vec: int
 
 
-def _make_plan(x_shape, dtype, *, group_size, out_rows, scale_layout, scale_cols, fuse, config) -> _Plan:
+def _make_plan(x_shape, dtype, *, group_size, out_rows, scale_layout, scale_cols, fuse, config,
+               gather: bool = False) -> _Plan:
   experts, rows_in, k_in = x_shape
   k = k_in // 2 if fuse else k_in
   groups = k // group_size
@@ -189,6 +197,14 @@ def _make_plan(x_shape, dtype, *, group_size, out_rows, scale_layout, scale_cols
   # A smaller block (a few rows of a few small groups) loads extra rows it does not use (zeros past the input).
   block_bytes = block_rows * gpb * group_size * itemsize
   load_rows = block_rows * (_TMA_LOAD_QUANTUM // math.gcd(_TMA_LOAD_QUANTUM, block_bytes))
+  if gather:  # one load per row: a row's groups must be whole TMA load quanta
+    gpb = max(gpb, _ceil_div(_TMA_LOAD_QUANTUM, group_size * itemsize))
+    if gpb > group_extent or (gpb * group_size * itemsize) % _TMA_LOAD_QUANTUM:
+      raise ValueError(f"gathered rows of {groups} groups of {group_size} x {jnp.dtype(dtype).name} cannot be loaded "
+                       f"in whole {_TMA_LOAD_QUANTUM}-byte units (see `problems`)")
+    num_group_blocks = _ceil_div(group_extent, gpb)
+    blocks_per_cta = min(config.blocks_per_cta, num_group_blocks)
+    load_rows = block_rows
   # TMA needs 128-byte aligned shared memory: a ring of smaller q buffers would misalign every other one.
   num_q_buffers = min(2, blocks_per_cta) if block_rows * gpb * group_size % 128 == 0 else 1
   return _Plan(
@@ -207,6 +223,8 @@ def _make_plan(x_shape, dtype, *, group_size, out_rows, scale_layout, scale_cols
       blocks_per_cta=blocks_per_cta,
       num_splits=_ceil_div(num_group_blocks, blocks_per_cta),
       load_rows=load_rows,
+      gather=gather,
+      live_limit=out_rows if gather else rows_in,
       num_stages=min(config.num_stages, blocks_per_cta),
       num_q_buffers=num_q_buffers,
       vec=vec,
@@ -266,9 +284,18 @@ def _silu_and_mul(gate, up):
   return (silu.astype(dtype).astype(jnp.float32) * up.astype(jnp.float32)).astype(dtype)
 
 
-def problems(*, group_size: int, scale_layout: str, scale_ue8m0: bool) -> list[str]:
-  """What this kernel cannot do for a quantization problem (empty: nothing)."""
+def problems(*, group_size: int, scale_layout: str, scale_ue8m0: bool, gather_k: int | None = None,
+             dtype=None, fuse_silu_and_mul: bool = False) -> list[str]:
+  """What this kernel cannot do for a quantization problem (empty: nothing). gather_k: the row length K of a
+  gathered-rows call (`source`), whose rows of dtype are loaded one at a time."""
   found = []
+  if gather_k is not None:
+    if fuse_silu_and_mul:
+      found.append("gathered rows (source) do not take fuse_silu_and_mul")
+    least = _ceil_div(_TMA_LOAD_QUANTUM, group_size * jnp.dtype(dtype).itemsize)
+    if least * group_size > gather_k or (least * group_size * jnp.dtype(dtype).itemsize) % _TMA_LOAD_QUANTUM:
+      found.append(f"gathered rows need {_TMA_LOAD_QUANTUM}-byte loads of whole groups: a row of K={gather_k} "
+                   f"{jnp.dtype(dtype).name} values in groups of {group_size} has none")
   if scale_layout not in SCALE_LAYOUTS:
     found.append(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
   if scale_layout == "col_packed" and not scale_ue8m0:
@@ -299,7 +326,8 @@ def _scratch(plan: _Plan, dtype, group_size: int, fuse: bool) -> tuple:
   if fuse:
     scratch.append(plgpu.SMEM((plan.num_stages, *load_block), dtype))
   scratch.append(plgpu.SMEM((plan.num_q_buffers, *block), FP8))
-  scratch.append(plgpu.Barrier(num_barriers=plan.num_stages))
+  # a gathered block's rows are loads of their own, each arriving on the block's barrier
+  scratch.append(plgpu.Barrier(num_arrivals=plan.block_rows if plan.gather else 1, num_barriers=plan.num_stages))
   if fuse:
     scratch.append(plgpu.Barrier(num_barriers=plan.num_stages))
   return tuple(scratch)
@@ -331,14 +359,21 @@ def per_token_group_quant(
     config: QuantMosaicConfig,
     interpret: bool = False,
     pad_rows_written: bool = True,
+    source: jax.Array | None = None,
+    source_divisor: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
   """q (E, out_rows, K) float8_e4m3fn and scales in `scale_layout`; see the module docstring. pad_rows_written=False:
-  CTAs of pad rows only write nothing (those rows' codes and scales are left unspecified).
+  CTAs of pad rows only write nothing (those rows' codes and scales are left unspecified). source: int32 (out_rows,),
+  with E = 1: row r of q is row source[r] // source_divisor of x (each in [0, T) for r below valid_rows).
 
   The caller validates the arguments (`problems` says what this kernel cannot do) and chooses the config.
   """
   # Invariants of the buffers, not user input: a violation would leave outputs unwritten.
-  if out_rows < x.shape[1]:
+  gather = source is not None
+  if gather and (x.shape[0] != 1 or source.shape != (out_rows,) or fuse_silu_and_mul):
+    raise ValueError(f"gathered rows take x (1, T, K) and source (out_rows,) = ({out_rows},) without the fused SiLU, "
+                     f"got x {x.shape}, source {source.shape}, fuse_silu_and_mul={fuse_silu_and_mul}")
+  if not gather and out_rows < x.shape[1]:
     raise ValueError(f"out_rows={out_rows} must be >= T={x.shape[1]}")
   if scale_layout != "row" and scale_cols < out_rows:
     raise ValueError(f"scale_cols={scale_cols} must be >= out_rows={out_rows}")
@@ -364,7 +399,7 @@ def per_token_group_quant(
 
   plan = _make_plan(
       x.shape, x.dtype, group_size=group_size, out_rows=out_rows, scale_layout=scale_layout,
-      scale_cols=scale_cols, fuse=fuse, config=config,
+      scale_cols=scale_cols, fuse=fuse, config=config, gather=gather,
   )
   _check_smem(plan, config, x.dtype, group_size, fuse)
   x4 = x.reshape(experts, rows_in, k_in // group_size, group_size)  # free: splits the last dim
@@ -377,6 +412,7 @@ def per_token_group_quant(
   body = functools.partial(
       _kernel_body, plan=plan, eps=float(eps), scale_layout=scale_layout, ue8m0=bool(scale_ue8m0),
       fuse=fuse, has_q=has_q, interpret=interpret, pad_rows_written=pad_rows_written,
+      source_divisor=int(source_divisor),
   )
   grid, grid_names = _grid(plan, experts)
   kernel = plgpu.kernel(
@@ -389,7 +425,7 @@ def per_token_group_quant(
       interpret=interpret_params,
       kernel_name="per_token_group_quant_fp8",
   )
-  outs = kernel(x4, valid_rows)
+  outs = kernel(x4, valid_rows, source.astype(jnp.int32)) if gather else kernel(x4, valid_rows)
   if has_q:
     q4, s = outs
     q = q4.reshape(q_shape)  # free: merges the last two dims
@@ -412,9 +448,11 @@ def _store_to_gmem(ref, value) -> None:
 
 
 def _kernel_body(
-    x_gmem, valid_gmem, *refs, plan: _Plan, eps, scale_layout, ue8m0, fuse, has_q, interpret, pad_rows_written
+    x_gmem, valid_gmem, *refs, plan: _Plan, eps, scale_layout, ue8m0, fuse, has_q, interpret, pad_rows_written,
+    source_divisor
 ):
   refs = list(refs)
+  source_gmem = refs.pop(0) if plan.gather else None
   q_gmem = refs.pop(0) if has_q else None
   s_gmem = refs.pop(0)
   x_smem = refs.pop(0)
@@ -442,7 +480,7 @@ def _kernel_body(
   row0 = _row_block_start(plan, row_block)
   rows = pl.ds(row0, bm)
   # clipped here: a clip before the launch would be a kernel launch of its own
-  num_valid = jnp.minimum(jnp.maximum(valid_gmem[expert], 0), plan.rows_in)
+  num_valid = jnp.minimum(jnp.maximum(valid_gmem[expert], 0), plan.live_limit)
   # With no live row there is nothing to read: the block is all pad rows.
   any_live = row0 < num_valid
 
@@ -450,8 +488,21 @@ def _kernel_body(
     def group_start(step):
       return _group_block_start(plan, split, step)
 
+    def source_row(i):
+      """The input row of output row row0 + i: row 0 for a pad row (its index may be anything)."""
+      r = row0 + i
+      src = source_gmem[jnp.minimum(r, plan.rows_out - 1)]
+      if source_divisor != 1:
+        src = lax.div(src, jnp.int32(source_divisor))
+      return jnp.where(r < num_valid, src, 0)
+
     def issue_loads(step, slot):
       g0 = group_start(step)
+      if plan.gather:
+        for i in range(plan.block_rows):
+          plgpu.copy_gmem_to_smem(x_gmem.at[expert, pl.ds(source_row(i), 1), pl.ds(g0, gpb)],
+                                  x_smem.at[slot, pl.ds(i, 1)], x_barrier.at[slot])
+        return
       load_rows = pl.ds(row0, plan.load_rows)
       plgpu.copy_gmem_to_smem(x_gmem.at[expert, load_rows, pl.ds(g0, gpb)], x_smem.at[slot], x_barrier.at[slot])
       if fuse:

@@ -132,26 +132,30 @@ def test_grouped_op_ragged_rows_and_floors(tmp_path, rng):
 
 
 @pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="the Mosaic GPU kernel does not import here")
-def test_moe_steps_of_a_fused_plan_and_the_unfused_pair_beside_them():
-  """Where the plan puts the SiLU-and-mul quantizer in gate_up's epilogue, the steps name one fused step (a GEMM in
-  the non-GEMM share), and the two kernels it replaces are timed after it on its inputs, with the share of live
-  rows whose codes and scales are the fused ones (interpreted, 2 experts of 128 rows each: aligned rows)."""
+def test_moe_steps_of_a_fused_plan_and_the_unfused_pairs_beside_them():
+  """Where the plan puts the SiLU-and-mul quantizer in gate_up's epilogue and the permute in the tokens' quantizer,
+  the steps name the fused steps (gate_up_silu_quant a GEMM in the non-GEMM share), and the kernels each replaces
+  are timed after it on its inputs, with the share of live rows whose codes and scales are the fused ones
+  (interpreted, 2 experts of 128 rows each: aligned rows)."""
   from jaxfp8.moe import planner as moe_planner
   layer = bench_moe.Layer(2, 2, 256, 128, 1, "qwen3")
-  plan = moe_planner.plan(256, 1, 2, 256, 128, (128, 128), jnp.bfloat16,
-                          moe_planner.MoeOptions(implementation="mosaic", interpret=True))
-  assert plan.fused_silu_quant, str(plan)
+  options = moe_planner.MoeOptions(implementation="mosaic", interpret=True)
+  plan = moe_planner.plan(256, 1, 2, 256, 128, (128, 128), jnp.bfloat16, options)
+  assert plan.fused_silu_quant and plan.permute_in_quantize, str(plan)
   route = bench_moe._route_fn(layer)
   steps = bench_moe.layer_steps(plan, route)
-  assert [s.name for s in steps] == ["route", *moe_layer.FUSED_STEPS]
+  assert [s.name for s in steps] == ["route", *moe_layer.steps(plan)] == [
+      "route", "dispatch", "quantize_permute", "gate_up_silu_quant", "down", "combine"]
   assert [s.name for s in steps if s.gemm] == ["gate_up_silu_quant", "down"]
   values = bench_moe._layer_values(layer, jax.random.key(3))
   values["x"] = jax.random.normal(jax.random.key(4), (256, 256), jnp.float32).astype(jnp.bfloat16)
   bench_moe.run_steps(steps, values, lambda fn, arg_sets: (1.0, None))
   rows = []
-  bench_moe._time_unfused(plan, values, lambda fn, arg_sets: (2.0, None), lambda name, role, **f: rows.append(
-      dict(f, name=name, role=role)))
-  assert [r["name"] for r in rows] == ["gate_up_unfused", "silu_quant_unfused"], rows
+  record = lambda name, role, **f: rows.append(dict(f, name=name, role=role))
+  bench_moe._time_unfused(plan, values, lambda fn, arg_sets: (2.0, None), record)
+  bench_moe._time_quantize_then_permute(layer, 256, values, lambda fn, arg_sets: (2.0, None), record, options)
+  assert [r["name"] for r in rows] == ["gate_up_unfused", "silu_quant_unfused", "quantize_unfused",
+                                       "permute_unfused"], rows
   assert all(r["us"] == 2.0 and r["step"] and r["same_codes"] == 1.0 and r["same_scales"] == 1.0 for r in rows), rows
 
 

@@ -343,8 +343,9 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i, fuse):
   """DeepSeek-V3 under EP8 (32 of its 256 experts) and Qwen3-30B-A3B: the whole layer lowers for an H200 to its
   Mosaic kernels (the tokens' quantizer, the live-row gather, gate_up, the SiLU-and-mul quantizer, down, and from
   combine.MOSAIC_MIN_TOKENS tokens the combine), around them nothing copies the codes (the gather kernel moves them),
-  and gate_up's output goes to the SiLU quantizer as it is; unless turned off, on aligned expert rows (prefill) the
-  quantizer is in gate_up's epilogue, and no h of 2I columns exists at all."""
+  and gate_up's output goes to the SiLU quantizer as it is; unless turned off (fuse=False turns both off), on
+  aligned expert rows (prefill) the quantizer is in gate_up's epilogue, and no h of 2I columns exists at all, and
+  the tokens' quantizer reads the rows in expert order itself (no gather kernel, no tokens' codes)."""
   from jaxfp8.moe import combine as moe_combine
   if not MOSAIC_QUANT_IMPORTABLE:
     pytest.skip("the Mosaic quantizer does not import here")
@@ -353,17 +354,20 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i, fuse):
              jax.ShapeDtypeStruct((e, 2 * i // 128, h // 128), jnp.float32), jax.ShapeDtypeStruct((e, h, i), F8),
              jax.ShapeDtypeStruct((e, h // 128, i // 128), jnp.float32)]
   with _platform.abstract_h200():
-    plan = moe.explain(structs[0], structs[3], structs[5], top_k, silu_quant_in_gate_up=fuse)
+    plan = moe.explain(structs[0], structs[3], structs[5], top_k, silu_quant_in_gate_up=fuse,
+                       permute_in_quantize=fuse)
     assert plan.gate_up.implementation == "mosaic" and plan.quant_h.implementation == "mosaic", str(plan)
     assert plan.permute.implementation == "mosaic", str(plan)
-    layer = functools.partial(moe.fp8_moe, silu_quant_in_gate_up=fuse)
+    assert plan.permute_in_quantize == (fuse is None), str(plan)
+    assert plan.quant_x.problem.gather_divisor == (top_k if fuse is None else 0), str(plan)
+    layer = functools.partial(moe.fp8_moe, silu_quant_in_gate_up=fuse, permute_in_quantize=fuse)
     exported = jax.export.export(jax.jit(layer), platforms=["cuda"])(*structs)
   assert exported.out_avals[0].shape == (tokens, h)
   text = exported.mlir_module()
   assert plan.fused_silu_quant == (fuse is None and plan.row_align == 64), str(plan)
   combined = tokens >= moe_combine.MOSAIC_MIN_TOKENS
   assert plan.combine.implementation == ("mosaic" if combined else "xla"), str(plan)
-  kernels = 5 + combined - plan.fused_silu_quant
+  kernels = 5 + combined - plan.fused_silu_quant - plan.permute_in_quantize
   assert kernel_calls(text) == ["mosaic_gpu_v2"] * kernels, kernel_calls(text)
   ops = lowered_ops(text)
   assert ops["f8E4M3FN"] <= {"custom_call", "reshape", "broadcast_in_dim", "optimization_barrier"}, ops

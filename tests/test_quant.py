@@ -267,3 +267,19 @@ def test_gpu_real_sizes_on_poisoned_memory(implementation, m, k, rng):
     jax.block_until_ready(poison)
     del poison
     _quantize_and_compare(x, 128, implementation, context=f"M={m} K={k}", **options)
+
+
+def test_a_gathering_plan_quantizes_the_rows_it_names_on_every_backend(rng):
+  """quant.problem(gather_divisor=d) (the MoE layer's quantize-and-permute): run(..., source=) quantizes the rows
+  x[source // d]; a backend that cannot read rows through indices (XLA here) gathers them first, so every backend
+  gives the plain quantization of the gathered rows."""
+  from jaxfp8 import quant
+  x = jnp.asarray(rng.standard_normal((1, 7, 384)), jnp.bfloat16)
+  source = jnp.asarray(rng.integers(0, 21, 12), jnp.int32)
+  p = quant.problem(1, 12, 384, jnp.bfloat16, group_size=128, eps=1e-10, scale_layout="col", gather_divisor=3)
+  q, s = quant.planner.run(x, jnp.array([9], jnp.int32), plan=quant.plan(p, implementation="xla"), source=source)
+  plain = quant.problem(1, 12, 384, jnp.bfloat16, group_size=128, eps=1e-10, scale_layout="col")
+  q2, s2 = quant.planner.run(x[:, source // 3], jnp.array([9], jnp.int32), plan=quant.plan(plain, implementation="xla"))
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q2).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(s2))
+  assert np.asarray(q)[0, 9:].astype(np.float32).max() == 0 and (np.asarray(s)[0, :, 9:] == 1).all()

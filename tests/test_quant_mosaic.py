@@ -395,6 +395,84 @@ def test_no_store_sticks_out_of_its_array(layout):
   assert checked > 1000
 
 
+def _gathered(x, source, divisor, live, *, layout="col", out_rows=None, scale_cols=None, config=None):
+  """The kernel on gathered rows (x (1, T, K), source (R,)): row r of q is x[source[r] // divisor]."""
+  rows = source.shape[0]
+  scale_cols = rows if scale_cols is None else scale_cols
+  return qm.per_token_group_quant(
+      jnp.asarray(x), jnp.asarray([live], jnp.int32), group_size=128, eps=1e-10, out_rows=rows,
+      scale_layout=layout, scale_cols=scale_cols, scale_ue8m0=layout == "col_packed", fuse_silu_and_mul=False,
+      config=config or Config(block_rows=4, groups_per_block=2), interpret=not ON_GPU, pad_rows_written=False,
+      source=jnp.asarray(source, jnp.int32), source_divisor=divisor)
+
+
+@pytest.mark.parametrize("layout", qm.SCALE_LAYOUTS)
+def test_gathered_rows_are_the_reference_of_the_rows_they_name(layout, rng):
+  """source (the MoE layer's quantize-and-permute): the live rows are the reference's quantization of x's rows
+  source[r] // divisor, bit for bit; the blocks past the count are not written (the interpreter's NaN fill, the
+  GPU's poison); a count outside [0, R] is clipped in the kernel; rows of a block holding a live row that are past
+  the count are pad rows (q = 0, scale 1.0)."""
+  for _ in range(2):
+    t, groups, rows, divisor = int(rng.integers(1, 12)), int(rng.integers(2, 7)), int(rng.integers(5, 30)), 3
+    rows += rows % 4 == 0  # a last row block shifted back over its neighbour
+    x = random_activations(rng, (1, t, 128 * groups), INPUT_DTYPES["bf16"])
+    source = rng.integers(0, t * divisor, rows).astype(np.int32)
+    gathered = x[:, source // divisor]
+    scale_cols = -(-rows // 4) * 4
+    for count in sorted({-3, 0, 1, int(rng.integers(0, rows + 1)), rows, rows + 5}):
+      live = min(max(count, 0), rows)
+      _poison_memory(4 * x.size + 64 * rows)
+      q, s = map(np.asarray, _gathered(x, source, divisor, count, layout=layout, scale_cols=scale_cols))
+      q_ref, s_ref = _expected(gathered, [live], 128, layout=layout, ue8m0=layout == "col_packed", out_rows=rows,
+                               scale_cols=scale_cols)
+      # the rows of the 4-row blocks that start below the count (the last block shifted back to end at R)
+      starts = [min(b * 4, rows - 4) for b in range(-(-rows // 4))]
+      written = max([start + 4 for start in starts if start < live], default=0)
+      as_rows = (lambda a: a) if layout == "row" else (lambda a: np.swapaxes(a, -1, -2))
+      context = f"T={t} R={rows} count={count} {layout}"
+      assert_matches_reference(q[:, :written], as_rows(s)[:, :written], q_ref[:, :written],
+                               as_rows(s_ref)[:, :written], exact_codes=helpers.exact_codes(
+                                   "mosaic", ue8m0=layout == "col_packed"), context=context)
+      if not ON_GPU and written < rows:  # interpreted: unwritten rows keep the NaN fill
+        assert np.isnan(q[:, written:].astype(np.float32)).all(), f"{context}: a pad block was written"
+
+
+def test_gathered_rows_need_whole_tma_quanta_and_no_fused_silu():
+  """A gathered row is loaded alone: its groups must make whole 128-byte TMA units, and the fused SiLU (two halves
+  of a row) is not offered; both are stated by `problems` and refused by the launcher."""
+  assert not qm.problems(group_size=128, scale_layout="col", scale_ue8m0=False, gather_k=7168, dtype=jnp.bfloat16)
+  assert not qm.problems(group_size=16, scale_layout="col", scale_ue8m0=False, gather_k=64, dtype=jnp.bfloat16)
+  found = qm.problems(group_size=16, scale_layout="col", scale_ue8m0=False, gather_k=32, dtype=jnp.bfloat16)
+  assert any("128-byte loads" in p for p in found), found
+  found = qm.problems(group_size=128, scale_layout="col", scale_ue8m0=False, gather_k=128, dtype=jnp.bfloat16,
+                      fuse_silu_and_mul=True)
+  assert any("fuse_silu_and_mul" in p for p in found), found
+  with pytest.raises(ValueError, match="source"):
+    qm.per_token_group_quant(jnp.zeros((2, 4, 256), jnp.bfloat16), jnp.array([4, 4], jnp.int32), group_size=128,
+                             eps=1e-10, out_rows=4, scale_layout="col", scale_cols=4, scale_ue8m0=False,
+                             fuse_silu_and_mul=False, config=Config(), interpret=True,
+                             source=jnp.zeros((4,), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("t, rows, k, live", [(1, 8, 7168, 3), (64, 512, 2048, 377), (4096, 32768, 2048, 29001)])
+def test_gpu_gathered_rows_at_the_layers_sizes(t, rows, k, live, rng):
+  """The MoE layer's quantize-and-permute at decode, medium and prefill sizes (top-8), native, against the
+  reference, with the planner's config."""
+  from jaxfp8 import quant as quant_api
+  x = random_activations(rng, (1, t, k), INPUT_DTYPES["bf16"])
+  source = rng.permutation(t * 8)[:rows].astype(np.int32)
+  p = quant_api.problem(1, rows, k, jnp.bfloat16, group_size=128, eps=1e-10, scale_layout="col",
+                        scale_tma_aligned=True, pad_rows_written=False, gather_divisor=8)
+  config, _ = quant_mosaic_backend.default_config_for(p, _platform.device())
+  _poison_memory(4 * x.size + 64 * rows)
+  q, s = map(np.asarray, _gathered(x, source, 8, live, scale_cols=p.scale_cols, config=config))
+  q_ref, s_ref = _expected(x[:, source // 8], [live], 128, out_rows=rows, scale_cols=p.scale_cols)
+  assert_matches_reference(q[:, :live], s[:, :, :live], q_ref[:, :live], s_ref[:, :, :live],
+                           exact_codes=helpers.exact_codes("mosaic", ue8m0=False), context=f"T={t} R={rows} {config}")
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(out_rows=3), "out_rows=3 must be >= T"),
     (dict(scale_layout="col", scale_cols=7), "scale_cols=7 must be >= out_rows"),
@@ -464,6 +542,20 @@ LOWERING_CASES = [
      Config(block_rows=16, groups_per_block=4, blocks_per_cta=14, num_stages=4)),
     (1, 4096, 7168, 128, "bf16", "col", True, 4096, 4096, Config(block_rows=64, groups_per_block=4)),
 ]
+
+
+@pytest.mark.parametrize("t, rows, k", [(1, 8, 7168), (4096, 32768, 2048)])
+def test_gathered_rows_lower_for_h200_as_one_kernel(t, rows, k):
+  fn = functools.partial(qm.per_token_group_quant, group_size=128, eps=1e-10, out_rows=rows, scale_layout="col",
+                         scale_cols=rows, scale_ue8m0=False, fuse_silu_and_mul=False,
+                         config=Config(block_rows=4, groups_per_block=4), pad_rows_written=False, source_divisor=8)
+  with _platform.abstract_h200():
+    exported = jax.export.export(jax.jit(lambda x, v, src: fn(x, v, source=src)), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((1, t, k), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((rows,), jnp.int32))
+  assert [o.shape for o in exported.out_avals] == [(1, rows, k), (1, k // 128, rows)]
+  ops = re.findall(r"stablehlo\.([a-z_]+)", exported.mlir_module())
+  assert ops.count("custom_call") == 1 and not set(ops) - {"custom_call", "reshape", "return"}, set(ops)
 
 
 @pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: "-".join(map(str, c[:9])) + ("-cfg" if c[9] else ""))

@@ -28,6 +28,7 @@ def fp8_moe(
     w2_q: jax.Array, w2_s: jax.Array, block_size: tuple[int, int] = (128, 128), *,
     implementation: str | None = None, quant_implementation: str | None = None, interpret: bool | None = None,
     combine_implementation: str | None = None, silu_quant_in_gate_up: bool | None = None,
+    permute_in_quantize: bool | None = None,
 ) -> jax.Array:
   """The routed experts of an MoE block on block-FP8 weights (docs/CONTRACT.md §8).
 
@@ -44,14 +45,17 @@ def fp8_moe(
       combine_implementation: the combine's ("mosaic", "xla" or None: the Mosaic one from
       combine.MOSAIC_MIN_TOKENS tokens on Hopper); silu_quant_in_gate_up: None or True runs the SiLU-and-mul
       quantizer in gate_up's epilogue where the plan allows it (aligned expert rows on the Mosaic prefill schedule),
-      so h never reaches memory; False: its own step.
+      so h never reaches memory; False: its own step. permute_in_quantize: None or True quantizes each live
+      routed row straight from its token into expert order where the plan allows it (the Mosaic quantizer, one
+      device), so the tokens' codes never reach memory; False: quantize, then permute.
 
   Returns:
     (..., H) in x's dtype. `explain(...)` says which kernels run and why.
   """
   block_size, lead = validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size)
   p = _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret,
-            combine_implementation=combine_implementation, silu_quant_in_gate_up=silu_quant_in_gate_up)
+            combine_implementation=combine_implementation, silu_quant_in_gate_up=silu_quant_in_gate_up,
+            permute_in_quantize=permute_in_quantize)
   t, h, k = math.prod(lead), x.shape[-1], topk_ids.shape[-1]
   if t == 0 or k == 0:  # no routed row: nothing to launch
     return jnp.zeros((*lead, h), x.dtype)
@@ -83,8 +87,8 @@ def fp8_moe_from_logits(
 def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128), *,
             implementation: str | None = None, quant_implementation: str | None = None,
             interpret: bool | None = None, device: _platform.Device | None = None,
-            combine_implementation: str | None = None, silu_quant_in_gate_up: bool | None = None
-            ) -> planner.MoePlan:
+            combine_implementation: str | None = None, silu_quant_in_gate_up: bool | None = None,
+            permute_in_quantize: bool | None = None) -> planner.MoePlan:
   """The plan `fp8_moe` runs for these shapes (arrays or `jax.ShapeDtypeStruct`s) and why (`print(plan)`), on
   `device` (default: the device programs are built for here). Raises what `fp8_moe` raises for these shapes: the
   same `validate`, on stand-ins for the arrays explain does not take (ids and weights (..., top_k), the scales)."""
@@ -97,7 +101,7 @@ def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128)
   block_size, _ = validate(x, ids, jax.ShapeDtypeStruct(ids.shape, F32), w13_q, scales[0], w2_q, scales[1],
                            block_size)
   return _plan(x, ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device,
-               combine_implementation, silu_quant_in_gate_up)
+               combine_implementation, silu_quant_in_gate_up, permute_in_quantize)
 
 
 def _scale_shape(w, block_size) -> tuple[int, ...]:
@@ -110,9 +114,9 @@ def _scale_shape(w, block_size) -> tuple[int, ...]:
 
 
 def _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device=None,
-          combine_implementation=None, silu_quant_in_gate_up=None):
+          combine_implementation=None, silu_quant_in_gate_up=None, permute_in_quantize=None):
   options = planner.MoeOptions(implementation, quant_implementation, interpret, combine_implementation,
-                               silu_quant_in_gate_up)
+                               silu_quant_in_gate_up, permute_in_quantize)
   device = _checks.device(device)
   tokens = math.prod(x.shape[:-1])
   return planner.plan(tokens, topk_ids.shape[-1], w13_q.shape[0], x.shape[-1], w2_q.shape[2], block_size, x.dtype,

@@ -4,6 +4,8 @@
                 the grouped GEMMs' routing tables (built once for both)
     quantize    the tokens, once
     permute     each live row's token codes and scales gathered into expert order
+    (quantize_permute: both in one kernel, the quantizer reading each live row's token through the order, where the
+    plan says so)
     gate_up     the first grouped GEMM
     silu_quant  the fused SiLU-and-mul quantizer over the live rows
     (gate_up_silu_quant: both in one kernel, the quantizer in the GEMM's epilogue, where the plan says so)
@@ -35,7 +37,6 @@ from jaxfp8.moe import permute as permute_rows
 from jaxfp8.moe import routing
 
 STEPS = ("dispatch", "quantize", "permute", "gate_up", "silu_quant", "down", "combine")
-FUSED_STEPS = ("dispatch", "quantize", "permute", "gate_up_silu_quant", "down", "combine")
 GEMM_STEPS = ("gate_up", "gate_up_silu_quant", "down")
 # The largest (E + 1) x R running-count table dispatch builds (int32: 256 MiB); past it a stable argsort.
 COUNTING_MAX_ENTRIES = 1 << 26
@@ -179,8 +180,17 @@ def silu_quant(h: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
 
 
 def steps(plan) -> tuple[str, ...]:
-  """The names of the steps `plan` runs, in order."""
-  return FUSED_STEPS if plan.fused_silu_quant else STEPS
+  """The names of the steps `plan` runs, in order (STEPS, with the fused steps where the plan fuses)."""
+  rows = ("quantize_permute",) if plan.permute_in_quantize else ("quantize", "permute")
+  first_gemm = ("gate_up_silu_quant",) if plan.fused_silu_quant else ("gate_up", "silu_quant")
+  return ("dispatch", *rows, *first_gemm, "down", "combine")
+
+
+def quantize_permute(x: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
+  """quantize and permute in one kernel (plan.permute_in_quantize): the codes (B, H) and scales of expert-order row
+  r < live quantized from x[order[r] // top_k]; rows from `live` on unspecified."""
+  a_q, a_s = quant.planner.run(x[None], d.live.reshape(1), plan=plan.quant_x, source=d.order)
+  return a_q[0], a_s[0]
 
 
 def gate_up_silu_quant(a_q, a_s, d: Dispatch, w13_q, w13_s, plan) -> tuple[jax.Array, jax.Array]:
@@ -220,7 +230,11 @@ def _apart(*values):
 
 def experts_on_rows(x_q, x_s, slots_per_row: int, d: Dispatch, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Array:
   """permute, gate_up, silu_quant, down: y (R, H) float32 in expert order, its rows past `live` unspecified."""
-  a_q, a_s = _apart(*permute(x_q, x_s, slots_per_row, d, plan))
+  return _experts(*_apart(*permute(x_q, x_s, slots_per_row, d, plan)), d, w13_q, w13_s, w2_q, w2_s, plan)
+
+
+def _experts(a_q, a_s, d: Dispatch, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Array:
+  """gate_up, silu_quant, down on the rows in expert order."""
   if plan.fused_silu_quant:
     h_q, h_s = _apart(*gate_up_silu_quant(a_q, a_s, d, w13_q, w13_s, plan))
   else:
@@ -233,7 +247,10 @@ def forward(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, plan) -> jax.Ar
   """docs/CONTRACT.md §8 on validated (T, H) arrays, every step above in turn. Traceable; checks nothing."""
   t, k = topk_ids.shape
   d = dispatch(topk_ids, plan.experts, plan)
-  x_q, x_s = _apart(*quantize(x, plan))
-  y = experts_on_rows(x_q, x_s, k, d, w13_q, w13_s, w2_q, w2_s, plan)
+  if plan.permute_in_quantize:
+    y = _experts(*_apart(*quantize_permute(x, d, plan)), d, w13_q, w13_s, w2_q, w2_s, plan)
+  else:
+    x_q, x_s = _apart(*quantize(x, plan))
+    y = experts_on_rows(x_q, x_s, k, d, w13_q, w13_s, w2_q, w2_s, plan)
   valid = (topk_ids >= 0) & (topk_ids < plan.experts)
   return combine(y, d, topk_weights, valid, x.dtype, plan)

@@ -27,6 +27,9 @@ ALIGNED_ROWS_REASON = ("each expert's first row at a multiple of {align} in a bu
 FUSED_SILU_QUANT_REASON = ("in gate_up's epilogue: each 64x256 tile holds a gate and an up block of the same 128 "
                            "columns, so h is quantized where it is computed and never written (each expert's rows "
                            "start at a row tile: no tile holds two experts' rows)")
+PERMUTE_IN_QUANTIZE_REASON = ("in the quantizer: the Mosaic quantizer reads each live row's token through the "
+                              "expert order and writes its codes and scales in expert order (one kernel where "
+                              "quantize and permute were two or three, and the tokens' codes are never written)")
 LAYOUT_REASON = ("ragged: the rows sorted by expert, one grouped GEMM per projection (the masked layout has not been "
                  "measured faster on a GPU yet)")
 
@@ -41,11 +44,13 @@ class MoeOptions:
   # None or True: the SiLU-and-mul quantizer in gate_up's epilogue wherever the plan allows it; False: a step of its
   # own (the two kernels the fused one replaces)
   silu_quant_in_gate_up: bool | None = None
+  # None or True: the permute in the tokens' quantizer wherever the plan allows it; False: quantize, then permute
+  permute_in_quantize: bool | None = None
 
   def __post_init__(self):
-    if self.silu_quant_in_gate_up is not None:
-      object.__setattr__(self, "silu_quant_in_gate_up",
-                         _checks.flag("silu_quant_in_gate_up", self.silu_quant_in_gate_up))
+    for name in ("silu_quant_in_gate_up", "permute_in_quantize"):
+      if getattr(self, name) is not None:
+        object.__setattr__(self, name, _checks.flag(name, getattr(self, name)))
     _checks.one_of("implementation", self.implementation, grouped.IMPLEMENTATIONS)
     _checks.one_of("quant_implementation", self.quant_implementation, quant.IMPLEMENTATIONS)
     _checks.one_of("combine_implementation", self.combine_implementation, combine.IMPLEMENTATIONS)
@@ -76,6 +81,10 @@ class MoePlan:
   # True: gate_up computes the SiLU-and-mul quantizer in its epilogue (quant_h is not run); why either way.
   fused_silu_quant: bool = False
   silu_quant_reason: str = ""
+  # True: quant_x quantizes the live rows in expert order straight from the tokens (a gathering quantizer plan), and
+  # the permute does not run; why either way.
+  permute_in_quantize: bool = False
+  permute_reason: str = ""
 
   @property
   def rows(self) -> int:
@@ -96,7 +105,7 @@ class MoePlan:
         f"  rows: {LIVE_ROWS_REASON}",
         f"  expert rows: {self.row_align_reason}",
         f"  tokens quantized: {self.quant_x}",
-        f"  permute: {self.permute}",
+        f"  permute: {self.permute_reason or self.permute}",
         f"  gate_up: {self.gate_up}",
         f"  SiLU-and-mul quantized: {self.silu_quant_reason or self.quant_h}",
         f"  down: {self.down}",
@@ -152,23 +161,45 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
                                                               options.quant_implementation, "grouped GEMM")
   layout = dict(scale_layout="col" if column_major else "row", scale_tma_aligned=column_major)
 
-  def quant_plan(m, k_in, fused, pad_rows_written):
-    p = quant.problem(1, m, k_in, x_dtype, group_size=gk, eps=quant.planner.DEFAULT_EPS, fuse_silu_and_mul=fused,
-                      pad_rows_written=pad_rows_written, **layout)
+  def quant_problem(m, k_in, fused, pad_rows_written, gather_divisor=0):
+    return quant.problem(1, m, k_in, x_dtype, group_size=gk, eps=quant.planner.DEFAULT_EPS, fuse_silu_and_mul=fused,
+                         pad_rows_written=pad_rows_written, gather_divisor=gather_divisor, **layout)
+
+  def quant_plan(p):
     return quant.plan(p, implementation=quant_implementation, interpret=interpret, device=device,
                       reason=quant_reason, option="quant_implementation")
 
-  quant_x = quant_plan(tokens, hidden, False, True)
+  quant_x = quant_plan(quant_problem(tokens, hidden, False, True))
+  permute_plan = permute.plan(implementation, hidden, device, interpret)
+  # the rows of the GEMMs' buffer quantized straight from their tokens (rows past the live ones read by nothing)
+  gathered = quant_problem(rows, hidden, False, False, gather_divisor=top_k)
+  quant_x, permute_in_quantize, permute_reason = _permute_in_quantize(quant_x, permute_plan, gathered, quant_plan,
+                                                                      routed_rows is None,
+                                                                      options.permute_in_quantize)
   # h's rows past the live ones are read by nothing (the down GEMM neither computes nor stores them)
-  quant_h = quant_plan(rows, 2 * intermediate, True, False)
+  quant_h = quant_plan(quant_problem(rows, 2 * intermediate, True, False))
   fused, silu_quant_reason = _silu_quant_in_gate_up(gate_up, row_align, x_dtype, quant_h,
                                                     options.silu_quant_in_gate_up)
-  return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name, quant_x, gate_up,
-                 quant_h, down,
-                 permute.plan(implementation, hidden, device, interpret),
+  return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name,
+                 quant_x, gate_up, quant_h, down, permute_plan,
                  combine.plan(options.combine_implementation, tokens, top_k, hidden, x_dtype, device, interpret),
                  row_align=row_align, row_align_reason=row_align_reason, fused_silu_quant=fused,
-                 silu_quant_reason=silu_quant_reason)
+                 silu_quant_reason=silu_quant_reason, permute_in_quantize=permute_in_quantize,
+                 permute_reason=permute_reason)
+
+
+def _permute_in_quantize(quant_x: quant.QuantPlan, permute_plan: permute.PermutePlan, gathered: quant.QuantProblem,
+                         quant_plan, single_device: bool, asked: bool | None) -> tuple[quant.QuantPlan, bool, str]:
+  """(the tokens' quantizer plan, whether it also permutes, why): the gathering problem's Mosaic plan where the
+  Mosaic quantizer and the Mosaic row gather both run on one device (under expert parallelism the tokens' codes
+  travel, so they are quantized before the exchange), else quant_x as it was."""
+  if not single_device or quant_x.implementation != "mosaic" or permute_plan.implementation != "mosaic":
+    return quant_x, False, ""
+  if asked is False:
+    return quant_x, False, f"{permute_plan} (not in the quantizer: turned off, permute_in_quantize=False)"
+  if why := quant.planner.BACKENDS["mosaic"].unsupported(gathered):
+    return quant_x, False, f"{permute_plan} (not in the quantizer: {why})"
+  return quant_plan(gathered), True, PERMUTE_IN_QUANTIZE_REASON
 
 
 def _silu_quant_in_gate_up(gate_up: grouped.GroupedPlan, row_align: int, x_dtype, quant_h: quant.QuantPlan,

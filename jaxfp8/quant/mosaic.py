@@ -28,7 +28,9 @@ def unavailable(device: _platform.Device, interpret: bool) -> str | None:
 
 def unsupported(problem) -> str | None:
   found = _kernel().problems(group_size=problem.group_size, scale_layout=problem.scale_layout,
-                             scale_ue8m0=problem.scale_ue8m0)
+                             scale_ue8m0=problem.scale_ue8m0, dtype=problem.dtype,
+                             fuse_silu_and_mul=problem.fuse_silu_and_mul,
+                             gather_k=problem.k if problem.gather_divisor else None)
   return "; ".join(found) or None
 
 
@@ -51,11 +53,14 @@ def default_config_for(problem, device: _platform.Device):
 
 # The kernel clips each expert's valid row count to [0, rows] itself.
 CLIPS_VALID_ROWS = True
+# The kernel reads a gathering problem's rows through its source indices (one TMA load per row).
+GATHERS_ROWS = True
 
 
-def launch(x3, valid_rows, problem, config, interpret: bool):
+def launch(x3, valid_rows, problem, config, interpret: bool, source=None):
   return _kernel().per_token_group_quant(
       x3, valid_rows, group_size=problem.group_size, eps=problem.eps, out_rows=problem.out_rows,
       scale_layout=problem.scale_layout, scale_cols=problem.scale_cols, scale_ue8m0=problem.scale_ue8m0,
       fuse_silu_and_mul=problem.fuse_silu_and_mul, config=config, interpret=interpret,
-      pad_rows_written=problem.pad_rows_written)
+      pad_rows_written=problem.pad_rows_written, source=source,
+      source_divisor=problem.gather_divisor or 1)

@@ -44,6 +44,9 @@ class QuantProblem:
   # False: the rows past valid_rows are unspecified (a caller that never reads them); a backend may leave them
   # unwritten (the Mosaic kernel skips blocks of pad rows only) or write them as when True (q = 0, scale 1.0).
   pad_rows_written: bool = True
+  # > 0: gathered rows (the MoE layer's quantize-and-permute): row r of q is row source[r] // gather_divisor of x, and
+  # `rows` counts q's rows (x's own row count is free)
+  gather_divisor: int = 0
 
   @property
   def k(self) -> int:
@@ -81,12 +84,14 @@ def for_gemm(gemm_implementation: str, device: _platform.Device, interpret: bool
 
 def problem(batch: int, rows: int, k_in: int, dtype, *, group_size: int, eps: float, row_alignment: int = 1,
             scale_layout: str = "row", scale_tma_aligned: bool = False, scale_ue8m0: bool = False,
-            fuse_silu_and_mul: bool = False, pad_rows_written: bool = True) -> QuantProblem:
-  """The problem of quantizing x (batch, rows, k_in) with rows padded to a multiple of `row_alignment`."""
+            fuse_silu_and_mul: bool = False, pad_rows_written: bool = True, gather_divisor: int = 0) -> QuantProblem:
+  """The problem of quantizing x (batch, rows, k_in) with rows padded to a multiple of `row_alignment`; with
+  gather_divisor > 0, of the `rows` rows x[source[r] // gather_divisor] (batch 1, `run`'s source)."""
   out_rows = _checks.round_up(rows, row_alignment)
   scale_cols = _checks.round_up(out_rows, 4) if scale_tma_aligned else out_rows
   return QuantProblem(batch, rows, k_in, jnp.dtype(dtype).name, group_size, float(eps), out_rows, scale_layout,
-                      scale_cols, bool(scale_ue8m0), bool(fuse_silu_and_mul), bool(pad_rows_written))
+                      scale_cols, bool(scale_ue8m0), bool(fuse_silu_and_mul), bool(pad_rows_written),
+                      int(gather_divisor))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +156,16 @@ def plan(p: QuantProblem, *, implementation: str | None = None, config=None, int
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
-def run(x3: jax.Array, masked_m: jax.Array | None, *, plan: QuantPlan) -> tuple[jax.Array, jax.Array]:
-  """Executes `plan` on x3 (batch, rows, k_in): q (batch, out_rows, k) and the scales in the plan's layout."""
+def run(x3: jax.Array, masked_m: jax.Array | None, *, plan: QuantPlan,
+        source: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Executes `plan` on x3 (batch, rows, k_in): q (batch, out_rows, k) and the scales in the plan's layout. A
+  gathering plan (gather_divisor > 0) quantizes the rows x3[:, source // gather_divisor] (source int32 (rows,)):
+  the Mosaic kernel reads them where they are; the other backends gather them first."""
   p = plan.problem
   backend = BACKENDS[plan.implementation]
+  if p.gather_divisor and not getattr(backend, "GATHERS_ROWS", False):
+    x3 = jnp.take(x3, source // p.gather_divisor, axis=1)
+    source = None
   if masked_m is None:
     valid_rows = jnp.full((p.batch,), p.rows, jnp.int32)
   elif getattr(backend, "CLIPS_VALID_ROWS", False):
@@ -163,6 +174,8 @@ def run(x3: jax.Array, masked_m: jax.Array | None, *, plan: QuantPlan) -> tuple[
     valid_rows = jnp.clip(masked_m, 0, p.rows)
   if p.empty:
     return _empty_outputs(p)
+  if source is not None:
+    return backend.launch(x3, valid_rows, p, plan.config, plan.interpret, source=source)
   return backend.launch(x3, valid_rows, p, plan.config, plan.interpret)
 
 

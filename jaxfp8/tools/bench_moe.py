@@ -12,7 +12,9 @@ Rows, per layer and token count T (--tokens):
   the steps (role "part", `layer_steps`: the one list of the layer's steps and how each is built), each jitted alone
         on the previous steps' outputs: route (the gate's logits and the router), sort (the routed slots in expert
         order), quantize (the tokens, once), permute (the gathered rows' codes and scales), gate_up, silu_quant (the
-        fused SiLU-and-mul quantizer), down, combine (the weighted sum back in token order)
+        fused SiLU-and-mul quantizer), down, combine (the weighted sum back in token order); where the plan quantizes
+        the rows in expert order straight from the tokens, one step quantize_permute stands for quantize and
+        permute, and the two are timed after it (quantize_unfused, permute_unfused, not summed)
   "steps_summed" (summary) their sum, with non_gemm_share = (sum - gate_up - down) / sum; where the plan puts the
         quantizer in gate_up's epilogue, one step gate_up_silu_quant stands for gate_up and silu_quant, and the two
         unfused kernels are timed after it on its inputs (gate_up_unfused, silu_quant_unfused, not summed)
@@ -95,9 +97,9 @@ def layer_steps(plan: moe_planner.MoePlan, route: Callable) -> tuple[Step, ...]:
   steps = (
       Step("route", jax.jit(route), ("x", "gate_weight", "bias"), ("ids", "weights")),
       Step("dispatch", jax.jit(lambda ids: moe_layer.dispatch(ids, plan.experts, plan)), ("ids",), ("d",)),
-      Step("quantize", jax.jit(lambda x: moe_layer.quantize(x, plan)), ("x",), ("x_q", "x_s")),
-      Step("permute", jax.jit(lambda x_q, x_s, d: moe_layer.permute(x_q, x_s, plan.top_k, d, plan)),
-           ("x_q", "x_s", "d"), ("a_q", "a_s")),
+      *(_row_steps(plan) if not plan.permute_in_quantize else (
+          Step("quantize_permute", jax.jit(lambda x, d: moe_layer.quantize_permute(x, d, plan)), ("x", "d"),
+               ("a_q", "a_s")),)),
       *(_gate_up_steps(plan) if not plan.fused_silu_quant else (
           Step("gate_up_silu_quant",
                jax.jit(lambda a_q, a_s, d, w, s: moe_layer.gate_up_silu_quant(a_q, a_s, d, w, s, plan)),
@@ -108,6 +110,14 @@ def layer_steps(plan: moe_planner.MoePlan, route: Callable) -> tuple[Step, ...]:
   )
   assert tuple(step.name for step in steps[1:]) == moe_layer.steps(plan)
   return steps
+
+
+def _row_steps(plan, suffix: str = "") -> tuple[Step, Step]:
+  """quantize, then permute, as two steps (outputs named with `suffix`)."""
+  return (Step("quantize" + suffix, jax.jit(lambda x: moe_layer.quantize(x, plan)), ("x",),
+               ("x_q" + suffix, "x_s" + suffix)),
+          Step("permute" + suffix, jax.jit(lambda x_q, x_s, d: moe_layer.permute(x_q, x_s, plan.top_k, d, plan)),
+               ("x_q" + suffix, "x_s" + suffix, "d"), ("a_q" + suffix, "a_s" + suffix)))
 
 
 def _gate_up_steps(plan, suffix: str = "") -> tuple[Step, Step]:
@@ -305,6 +315,8 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
       _time_steps(layer_steps(plan, route), values, (fp8_want, pick), time_us, counts, record)
       if plan.fused_silu_quant and "h_q" in values:
         _time_unfused(plan, values, time_us, record)
+      if plan.permute_in_quantize and "a_q" in values:
+        _time_quantize_then_permute(layer, t, values, time_us, record)
       if _platform.is_hopper() and "out" in values:
         _time_other_combine(layer, plan, t, values, time_us, record)
         _time_other_route(layer, values, time_us, record)
@@ -363,6 +375,27 @@ def _time_unfused(plan, values, time_us, record) -> None:
   scales = [np.asarray(values[name])[:, live] for name in ("h_s", "h_s_unfused")]
   same = dict(same_codes=float(np.mean(codes[0] == codes[1])) if live.size else 1.0,
               same_scales=float(np.mean(scales[0] == scales[1])) if live.size else 1.0)
+  for step, (us, kernels) in timed:
+    record(step.name, "part", us=us, step=True, **bench_report.kernel_fields(kernels), **same)
+
+
+def _time_quantize_then_permute(layer: Layer, t: int, values, time_us, record,
+                                options: moe_planner.MoeOptions = moe_planner.MoeOptions()) -> None:
+  """quantize and permute as two steps again (the plan with permute_in_quantize=False), on the same tokens and
+  dispatch: their times ("quantize_unfused", "permute_unfused", not in the steps' sum) and the share of the live rows
+  whose codes and scales equal the fused step's (all of them expected: the same quantizer on the same rows)."""
+  plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16,
+                          dataclasses.replace(options, permute_in_quantize=False))
+  try:
+    timed = run_steps(_row_steps(plan, "_unfused"), values, time_us)
+  except Exception as e:  # reported beside the others, not fatal
+    record("quantize_unfused", "part", error=f"{type(e).__name__}: {str(e)[:300]}")
+    return
+  live = int(values["d"].live)
+  codes = [np.asarray(values[name])[:live].view(np.uint8) for name in ("a_q", "a_q_unfused")]
+  scales = [np.asarray(values[name])[..., :live] for name in ("a_s", "a_s_unfused")]
+  same = dict(same_codes=float(np.mean(codes[0] == codes[1])) if live else 1.0,
+              same_scales=float(np.mean(scales[0] == scales[1])) if live else 1.0)
   for step, (us, kernels) in timed:
     record(step.name, "part", us=us, step=True, **bench_report.kernel_fields(kernels), **same)
 
