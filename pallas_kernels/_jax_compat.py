@@ -3,7 +3,10 @@ library). Each function says which JAX behaviour it answers."""
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -44,6 +47,17 @@ def store_unoptimized(ref, value) -> None:
     ref[...] = value
   else:
     store(ref, value, optimized=False)
+
+
+def store_to_gmem(ref, value) -> None:
+  """store_unoptimized(ref, value) from registers to GMEM, also for a single element, which Mosaic GPU 0.11.2 can only
+  store to GMEM as a scalar: its one-element array store takes a shared-memory-only path."""
+  if math.prod(value.shape) == 1:
+    for _ in range(value.ndim):
+      value = jnp.max(value, axis=0)  # the single element, as a scalar (NaN stays NaN)
+    ref[(0,) * len(ref.shape)] = value
+  else:
+    store_unoptimized(ref, value)
 
 
 def register_split_kept() -> bool:

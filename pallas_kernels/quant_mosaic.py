@@ -1,34 +1,32 @@
 """Per-token-group FP8 quantization (docs/CONTRACT.md §1) as a Mosaic GPU kernel for Hopper.
 
-One CTA (one warpgroup, 128 threads) owns `block_rows` rows of one batch entry and walks over
-`blocks_per_cta` blocks of `groups_per_block` groups along K. Each block is read by TMA from the
-input viewed as (E, T, K_in/G, G) into shared memory (a `num_stages`-deep ring of buffers when a
-CTA walks over several blocks), then loaded into registers in a layout where each group sits in up
-to 8 adjacent lanes of one warp, 16 bytes per vector, so that the group's absolute maximum is a
-max within each thread and then a few warp shuffles. The fp8 codes go back to shared memory and out
-by TMA into the (E, T_pad, K/G, G) view of q; the scales are stored straight from registers into
-their final layout (row-major, column-major, or UE8M0 bytes packed four groups to an int32 word:
-then the block is processed four groups at a time, and a word is a sum over an axis of 4).
-Written with Lane lowering semantics: every register layout is explicit.
+One CTA (one warpgroup, 128 threads) owns `block_rows` rows of one batch entry and walks over `blocks_per_cta` blocks
+of `groups_per_block` groups along K. Each block is read by TMA from the input viewed as (E, T, K_in/G, G) into shared
+memory (a `num_stages`-deep ring of buffers when a CTA walks over several blocks), then loaded into registers in a
+layout where each group sits in up to 8 adjacent lanes of one warp, 16 bytes per vector, so that the group's absolute
+maximum is a max within each thread and then a few warp shuffles. The fp8 codes go back to shared memory and out by
+TMA into the (E, T_pad, K/G, G) view of q; the scales are stored straight from registers into their final layout
+(row-major, column-major, or UE8M0 bytes packed four groups to an int32 word: then the block is processed four groups
+at a time, and a word is a sum over an axis of 4). Written with Lane lowering semantics: every register layout is
+explicit.
 
-Edges: TMA loads zero-fill reads past the end of the input (per dimension), so rows >= T and groups
-past K/G cost nothing on the way in. Stores get no such guard: Mosaic GPU lowers a store whose box is
-contiguous in memory (whole rows of q, or a single row) to a linear bulk copy that is clipped only at
-the end of the whole array, so a box sticking out past the last row of an expert (or the last group
-of a row) would overwrite the next expert's (row's) first codes. Scales are stored from registers,
-with no guard at all. So no block sticks out of what it writes: row blocks [0, num_q_row_blocks)
-tile q's rows, the last one shifted back to end at out_rows; further blocks tile the scale-only
-rows [out_rows, scale_rows) (scale_cols > out_rows), the last one shifted back to end at scale_rows,
-and store no q. The last group block is shifted back to end at K/G ("col_packed": at 4 * words, past
-K/G; a one-row block's q store then leaves out the groups past K/G, a taller block's box is not
-contiguous and goes out by a tiled TMA store, which clips it per dimension). Shifted blocks overlap their neighbour; overlapping
-CTAs write bit-identical values, so the overlap is harmless. Pad rows (t >= valid_rows[e], and
-t >= T) are zeroed on the way in, and get q = 0 and scale 1.0.
+Edges: TMA loads zero-fill reads past the end of the input (per dimension), so rows >= T and groups past K/G cost
+nothing on the way in. Stores get no such guard: Mosaic GPU lowers a store whose box is contiguous in memory (whole
+rows of q, or a single row) to a linear bulk copy that is clipped only at the end of the whole array, so a box
+sticking out past the last row of an expert (or the last group of a row) would overwrite the next expert's (row's)
+first codes. Scales are stored from registers, with no guard at all. So no block sticks out of what it writes: row
+blocks [0, num_q_row_blocks) tile q's rows, the last one shifted back to end at out_rows; further blocks tile the
+scale-only rows [out_rows, scale_rows) (scale_cols > out_rows), the last one shifted back to end at scale_rows, and
+store no q. The last group block is shifted back to end at K/G ("col_packed": at 4 * words, past K/G; a one-row
+block's q store then leaves out the groups past K/G, a taller block's box is not contiguous and goes out by a tiled
+TMA store, which clips it per dimension). Shifted blocks overlap their neighbour; overlapping CTAs write bit-identical
+values, so the overlap is harmless. Pad rows (t >= valid_rows[e], and t >= T) are zeroed on the way in, and get q = 0
+and scale 1.0.
 
 Gathered rows (`source`, the MoE layer's quantize-and-permute): output row r is input row source[r] // divisor, so a
 permute after the quantizer is not needed. Each row of a block is then its own TMA load (all on the block's one
-barrier), a row of a block must be whole 128-byte TMA units, and valid_rows counts output rows: rows from the count
-on read input row 0 and are pad rows as above.
+barrier), a row of a block must be whole 128-byte TMA units, and valid_rows counts output rows: rows from the count on
+read input row 0 and are pad rows as above.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import exact_division
-from ._jax_compat import interpret_mode_forced, store_unoptimized
+from ._jax_compat import interpret_mode_forced, store_to_gmem, store_unoptimized
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -345,22 +343,20 @@ def _grid(plan: _Plan, experts: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
   return grid, grid_names
 
 
+def _output_shapes(x_shape, group_size, out_rows, scale_layout, scale_cols, fuse):
+  """q's shape, and the scales' shape and dtype in `scale_layout`."""
+  experts, _, k_in = x_shape
+  k = k_in // 2 if fuse else k_in
+  groups = k // group_size
+  scales = {"row": ((experts, out_rows, groups), jnp.float32), "col": ((experts, groups, scale_cols), jnp.float32),
+            "col_packed": ((experts, _ceil_div(groups, 4), scale_cols), jnp.int32)}
+  return (experts, out_rows, k), scales[scale_layout]
+
+
 def per_token_group_quant(
-    x: jax.Array,
-    valid_rows: jax.Array,
-    *,
-    group_size: int,
-    eps: float,
-    out_rows: int,
-    scale_layout: str,
-    scale_cols: int,
-    scale_ue8m0: bool,
-    fuse_silu_and_mul: bool,
-    config: QuantMosaicConfig,
-    interpret: bool = False,
-    pad_rows_written: bool = True,
-    source: jax.Array | None = None,
-    source_divisor: int = 1,
+    x: jax.Array, valid_rows: jax.Array, *, group_size: int, eps: float, out_rows: int, scale_layout: str,
+    scale_cols: int, scale_ue8m0: bool, fuse_silu_and_mul: bool, config: QuantMosaicConfig, interpret: bool = False,
+    pad_rows_written: bool = True, source: jax.Array | None = None, source_divisor: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
   """q (E, out_rows, K) float8_e4m3fn and scales in `scale_layout`; see the module docstring. pad_rows_written=False:
   CTAs of pad rows only write nothing (those rows' codes and scales are left unspecified). source: int32 (out_rows,),
@@ -371,8 +367,8 @@ def per_token_group_quant(
   # Invariants of the buffers, not user input: a violation would leave outputs unwritten.
   gather = source is not None
   if gather and (x.shape[0] != 1 or source.shape != (out_rows,) or fuse_silu_and_mul):
-    raise ValueError(f"gathered rows take x (1, T, K) and source (out_rows,) = ({out_rows},) without the fused SiLU, "
-                     f"got x {x.shape}, source {source.shape}, fuse_silu_and_mul={fuse_silu_and_mul}")
+    raise ValueError(f"gathered rows take x (1, T, K) and source ({out_rows},) without the fused SiLU, got x "
+                     f"{x.shape}, source {source.shape}, fuse_silu_and_mul={fuse_silu_and_mul}")
   if not gather and out_rows < x.shape[1]:
     raise ValueError(f"out_rows={out_rows} must be >= T={x.shape[1]}")
   if scale_layout != "row" and scale_cols < out_rows:
@@ -383,16 +379,7 @@ def per_token_group_quant(
   interpret = bool(interpret) or forced_interpret
   fuse = fuse_silu_and_mul
   experts, rows_in, k_in = x.shape
-  k = k_in // 2 if fuse else k_in
-  groups = k // group_size
-  words = _ceil_div(groups, 4)
-  if scale_layout == "row":
-    s_shape, s_dtype = (experts, out_rows, groups), jnp.float32
-  elif scale_layout == "col":
-    s_shape, s_dtype = (experts, groups, scale_cols), jnp.float32
-  else:
-    s_shape, s_dtype = (experts, words, scale_cols), jnp.int32
-  q_shape = (experts, out_rows, k)
+  q_shape, (s_shape, s_dtype) = _output_shapes(x.shape, group_size, out_rows, scale_layout, scale_cols, fuse)
   scale_rows = out_rows if scale_layout == "row" else scale_cols
   if experts == 0 or scale_rows == 0:  # nothing to compute: every output is empty
     return jnp.zeros(q_shape, FP8), jnp.zeros(s_shape, s_dtype)
@@ -406,7 +393,7 @@ def per_token_group_quant(
   has_q = out_rows > 0
   out_type = [jax.ShapeDtypeStruct(s_shape, s_dtype)]
   if has_q:
-    out_type.insert(0, jax.ShapeDtypeStruct((experts, out_rows, groups, group_size), FP8))
+    out_type.insert(0, jax.ShapeDtypeStruct((*q_shape[:2], q_shape[2] // group_size, group_size), FP8))
   scratch = _scratch(plan, x.dtype, group_size, fuse)
 
   body = functools.partial(
@@ -433,18 +420,6 @@ def per_token_group_quant(
     (s,) = outs
     q = jnp.zeros(q_shape, FP8)
   return q, s
-
-
-def _store_to_gmem(ref, value) -> None:
-  """ref[...] = value, also for a single element (a lone scale when block_rows = 1), which Mosaic GPU 0.11.2 can
-  only store to GMEM as a scalar: its one-element array store takes a shared-memory-only path. Scale stores are
-  strided (column-major scales) and narrow: they go out without a coalescing requirement."""
-  if math.prod(value.shape) == 1:
-    for _ in range(value.ndim):
-      value = jnp.max(value, axis=0)  # the single element, as a scalar (NaN stays NaN)
-    ref[(0,) * len(ref.shape)] = value
-  else:
-    store_unoptimized(ref, value)
 
 
 def _kernel_body(
@@ -570,15 +545,15 @@ def _kernel_body(
             q_smem.at[q_slot, :, groups],
         )
         if scale_layout == "row":
-          _store_to_gmem(s_gmem.at[expert, rows, pl.ds(g0, gpb)], scale)
+          store_to_gmem(s_gmem.at[expert, rows, pl.ds(g0, gpb)], scale)
         elif scale_layout == "col":
-          _store_to_gmem(s_gmem.at[expert, pl.ds(g0, gpb), rows].T, scale)
+          store_to_gmem(s_gmem.at[expert, pl.ds(g0, gpb), rows].T, scale)
         else:
           exponent = (lax.bitcast_convert_type(scale, jnp.int32) >> 23) & jnp.int32(0xFF)
           # Bytes of groups past K/G (only in the last word) are 0.
           exponent = jnp.where(byte_ids + g0 + sub * 4 < plan.groups, exponent, jnp.int32(0))
           word = jnp.sum(lax.shift_left(exponent, byte_ids * 8), axis=1)
-          _store_to_gmem(s_gmem.at[expert, lax.div(g0, 4) + sub, rows], word)
+          store_to_gmem(s_gmem.at[expert, lax.div(g0, 4) + sub, rows], word)
 
       if has_q:
         plgpu.commit_smem()

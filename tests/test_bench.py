@@ -153,7 +153,8 @@ def test_moe_steps_of_a_fused_plan_and_the_unfused_pairs_beside_them():
   rows = []
   record = lambda name, role, **f: rows.append(dict(f, name=name, role=role))
   bench_moe._time_unfused(plan, values, lambda fn, arg_sets: (2.0, None), record)
-  bench_moe._time_quantize_then_permute(layer, 256, values, lambda fn, arg_sets: (2.0, None), record, options)
+  bench_moe._time_quantize_then_permute(layer, 256, values, lambda fn, arg_sets: (2.0, None), record,
+                                        implementation="mosaic", interpret=True)
   assert [r["name"] for r in rows] == ["gate_up_unfused", "silu_quant_unfused", "quantize_unfused",
                                        "permute_unfused"], rows
   assert all(r["us"] == 2.0 and r["step"] and r["same_codes"] == 1.0 and r["same_scales"] == 1.0 for r in rows), rows

@@ -10,14 +10,13 @@ Layers (one device's share; --moe_layers):
                    share: the CPU check of ids outside the local experts)
 Rows, per layer and token count T (--tokens):
   the steps (role "part", `layer_steps`: the one list of the layer's steps and how each is built), each jitted alone
-        on the previous steps' outputs: route (the gate's logits and the router), sort (the routed slots in expert
+        on the previous steps' outputs: route (the gate's logits and the router), dispatch (the routed slots in expert
         order), quantize (the tokens, once), permute (the gathered rows' codes and scales), gate_up, silu_quant (the
-        fused SiLU-and-mul quantizer), down, combine (the weighted sum back in token order); where the plan quantizes
-        the rows in expert order straight from the tokens, one step quantize_permute stands for quantize and
-        permute, and the two are timed after it (quantize_unfused, permute_unfused, not summed)
-  "steps_summed" (summary) their sum, with non_gemm_share = (sum - gate_up - down) / sum; where the plan puts the
-        quantizer in gate_up's epilogue, one step gate_up_silu_quant stands for gate_up and silu_quant, and the two
-        unfused kernels are timed after it on its inputs (gate_up_unfused, silu_quant_unfused, not summed)
+        SiLU-and-mul quantizer), down, combine (the weighted sum back in token order); where the plan fuses a pair, one
+        step stands for it and the pair is timed after it on its inputs (not summed): quantize_permute (the quantizer
+        reading the rows in expert order; quantize_unfused, permute_unfused), gate_up_silu_quant (the quantizer in
+        gate_up's epilogue; gate_up_unfused, silu_quant_unfused)
+  "steps_summed" (summary) their sum, with non_gemm_share = (sum - gate_up - down) / sum
   "layer" (ours)   route + `jaxfp8.moe.fp8_moe` in one jit: what a model runs; "layer_unfused" (ours) the same with
         silu_quant_in_gate_up=False, where the plan puts the quantizer in gate_up's epilogue
   "ragged_dot_bf16", "pallas_ragged_bf16" (baselines)   route + the same layer on bf16 weights (dequantized once,
@@ -88,7 +87,7 @@ class Step:
 
 
 def layer_steps(plan: moe_planner.MoePlan, route: Callable) -> tuple[Step, ...]:
-  """The FP8 layer's steps in order: route, then jaxfp8/moe/layer.py's named steps (`layer.STEPS`), each jitted on
+  """The FP8 layer's steps in order: route, then jaxfp8/moe/layer.py's named steps (`layer.steps(plan)`), each jitted on
   `plan`. The values start as x, gate_weight, bias and the expert weights (w13_q, w13_s, w2_q, w2_s); "out" is the
   layer's output."""
   def combine(y, d, ids, weights):
@@ -269,6 +268,11 @@ def _counts(layer: Layer, t: int, ids: np.ndarray) -> dict:
               down=dict(flops=2 * rows * h * i, bytes=touched * w2 + rows * (i + 4 * h)))
 
 
+def _plan(layer: Layer, t: int, **options) -> moe_planner.MoePlan:
+  return moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16,
+                          moe_planner.MoeOptions(**options))
+
+
 def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, iterations: int = 30, seed: int = 0,
         timer: Callable[..., float] | None = None, log=print) -> list[dict]:
   """Raw rows of the layer `name` (of LAYERS) at every token count: the steps, their sum, the layer, the bf16
@@ -295,7 +299,7 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     ids = np.asarray(values["ids"])
     local = np.flatnonzero(((ids >= 0) & (ids < layer.experts)).any(axis=-1))
     pick = rng.choice(local if local.size >= min(4, t) else t, min(4, t), replace=False)
-    plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16)
+    plan = _plan(layer, t)
 
     def record(contender, role, **fields):
       row = dict(base, contender=contender, role=role, **fields)
@@ -308,9 +312,8 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
     if "layer" in implementations:
       _time_layer(plan, route, values, (fp8_want, pick), time_us, counts, record)
       if plan.fused_silu_quant:
-        unfused = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK,
-                                   jnp.bfloat16, moe_planner.MoeOptions(silu_quant_in_gate_up=False))
-        _time_layer(unfused, route, values, (fp8_want, pick), time_us, counts, record, "layer_unfused")
+        _time_layer(_plan(layer, t, silu_quant_in_gate_up=False), route, values, (fp8_want, pick), time_us, counts,
+                    record, "layer_unfused")
     if "steps" in implementations:
       _time_steps(layer_steps(plan, route), values, (fp8_want, pick), time_us, counts, record)
       if plan.fused_silu_quant and "h_q" in values:
@@ -372,20 +375,21 @@ def _time_unfused(plan, values, time_us, record) -> None:
   ids = np.asarray(values["ids"]).reshape(-1)
   live = np.asarray(values["d"].rank)[(ids >= 0) & (ids < plan.experts)]  # the buffer rows of the local slots
   codes = [np.asarray(values[name])[live].view(np.uint8) for name in ("h_q", "h_q_unfused")]
-  scales = [np.asarray(values[name])[:, live] for name in ("h_s", "h_s_unfused")]
-  same = dict(same_codes=float(np.mean(codes[0] == codes[1])) if live.size else 1.0,
-              same_scales=float(np.mean(scales[0] == scales[1])) if live.size else 1.0)
+  _record_unfused(timed, codes, [np.asarray(values[name])[:, live] for name in ("h_s", "h_s_unfused")], record)
+
+
+def _record_unfused(timed, codes, scales, record) -> None:
+  """The unfused steps' rows, each with the share of the live rows' codes and scales equal to the fused step's."""
+  same = dict(same_codes=float(np.mean(codes[0] == codes[1])) if codes[0].size else 1.0,
+              same_scales=float(np.mean(scales[0] == scales[1])) if scales[0].size else 1.0)
   for step, (us, kernels) in timed:
     record(step.name, "part", us=us, step=True, **bench_report.kernel_fields(kernels), **same)
 
 
-def _time_quantize_then_permute(layer: Layer, t: int, values, time_us, record,
-                                options: moe_planner.MoeOptions = moe_planner.MoeOptions()) -> None:
-  """quantize and permute as two steps again (the plan with permute_in_quantize=False), on the same tokens and
-  dispatch: their times ("quantize_unfused", "permute_unfused", not in the steps' sum) and the share of the live rows
-  whose codes and scales equal the fused step's (all of them expected: the same quantizer on the same rows)."""
-  plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16,
-                          dataclasses.replace(options, permute_in_quantize=False))
+def _time_quantize_then_permute(layer: Layer, t: int, values, time_us, record, **options) -> None:
+  """quantize and permute as two steps again ("quantize_unfused", "permute_unfused": permute_in_quantize=False) on
+  the same tokens and dispatch, with their codes and scales against the fused step's (all equal: the same quantizer)."""
+  plan = _plan(layer, t, **dict(options, permute_in_quantize=False))
   try:
     timed = run_steps(_row_steps(plan, "_unfused"), values, time_us)
   except Exception as e:  # reported beside the others, not fatal
@@ -393,11 +397,7 @@ def _time_quantize_then_permute(layer: Layer, t: int, values, time_us, record,
     return
   live = int(values["d"].live)
   codes = [np.asarray(values[name])[:live].view(np.uint8) for name in ("a_q", "a_q_unfused")]
-  scales = [np.asarray(values[name])[..., :live] for name in ("a_s", "a_s_unfused")]
-  same = dict(same_codes=float(np.mean(codes[0] == codes[1])) if live else 1.0,
-              same_scales=float(np.mean(scales[0] == scales[1])) if live else 1.0)
-  for step, (us, kernels) in timed:
-    record(step.name, "part", us=us, step=True, **bench_report.kernel_fields(kernels), **same)
+  _record_unfused(timed, codes, [np.asarray(values[name])[..., :live] for name in ("a_s", "a_s_unfused")], record)
 
 
 def _time_other_combine(layer: Layer, plan, t: int, values, time_us, record) -> None:
@@ -405,8 +405,7 @@ def _time_other_combine(layer: Layer, plan, t: int, values, time_us, record) -> 
   same inputs: its time, as "combine_<implementation>", and whether its output is the picked one's, bit for bit."""
   other = "xla" if plan.combine.implementation == "mosaic" else "mosaic"
   try:
-    other_plan = moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK,
-                                  jnp.bfloat16, moe_planner.MoeOptions(combine_implementation=other))
+    other_plan = _plan(layer, t, combine_implementation=other)
     fn = jax.jit(lambda y, d, ids, w: moe_layer.combine(y, d, w, (ids >= 0) & (ids < layer.experts), jnp.bfloat16,
                                                          other_plan))
     args = tuple(values[name] for name in ("y", "d", "ids", "weights"))
@@ -482,10 +481,9 @@ def summary_table(rows: list[dict]) -> str:
   by_key: dict = {}
   for r in rows:
     by_key.setdefault((r["shape"], r["m"]), {})[r["implementation"]] = r
-  lines = ["MoE layer step by step (us): each step jitted alone; non-GEMM = the steps other than gate_up (with the "
-           "SiLU-and-mul quantizer in its epilogue where the plan fuses them: gate_up_silu_quant) and down, as a share "
-           "of their sum (the *_unfused columns: the two kernels the fused step replaces, timed on its inputs, not "
-           "in the sum); weight stream = the bytes of the experts that received rows / 4.3 TB/s.", "",
+  lines = ["MoE layer step by step (us): each step jitted alone; non-GEMM = the share of their sum outside gate_up "
+           "(or gate_up_silu_quant) and down; *_unfused: the pair a fused step replaces, timed on its inputs, not "
+           "summed; weight stream = the bytes of the experts that received rows / 4.3 TB/s.", "",
            "| layer | T | local rows | experts with rows | " + " | ".join(steps) +
            " | steps summed | non-GEMM | weight stream us | layer (x weight stream) | layer unfused | ragged_dot bf16 |"
            " Pallas bf16 | layer rel err |", "|---|---|---|---|" + "---|" * (len(steps) + 8)]
@@ -494,12 +492,9 @@ def summary_table(rows: list[dict]) -> str:
     summed = cells.get("steps_summed", {})
     share = f"{summed['non_gemm_share']:.0%}" if "non_gemm_share" in summed else "-"
     err = f"{cells['layer']['rel_err']:.2e}" if "rel_err" in cells.get("layer", {}) else "-"
+    tail = [bench_report.cell_us(cells.get("steps_summed")), share, f"{any_row['weight_stream_us']:.1f}",
+            *(bench_report.cell_us(cells.get(c), "x_weight_stream") for c in ("layer", "layer_unfused")),
+            *(bench_report.cell_us(cells.get(c)) for c in ("ragged_dot_bf16", "pallas_ragged_bf16")), err]
     lines.append(f"| {shape} | {t} | {any_row['local_rows']} | {any_row['active_experts']} | " +
-                 " | ".join(bench_report.cell_us(cells.get(s)) for s in steps) +
-                 f" | {bench_report.cell_us(cells.get('steps_summed'))} | {share} | "
-                 f"{any_row['weight_stream_us']:.1f} | "
-                 f"{bench_report.cell_us(cells.get('layer'), 'x_weight_stream')} | "
-                 f"{bench_report.cell_us(cells.get('layer_unfused'), 'x_weight_stream')} | "
-                 f"{bench_report.cell_us(cells.get('ragged_dot_bf16'))} | "
-                 f"{bench_report.cell_us(cells.get('pallas_ragged_bf16'))} | {err} |")
+                 " | ".join([*(bench_report.cell_us(cells.get(s)) for s in steps), *tail]) + " |")
   return "\n".join(lines) + "\n"
