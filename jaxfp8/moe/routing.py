@@ -63,18 +63,55 @@ def _top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]
   taken (a reduction of (free, key, index) triples: one kernel a round, where XLA's GPU top-k sorts every row);
   else `lax.top_k` itself."""
   n = values.shape[-1]
-  if values.size * n > PAIRWISE_MAX_COMPARES:
-    ids = _top_k_rounds(values, k) if k <= ROUNDS_MAX_K else lax.top_k(values, k)[1]
+  if not _pairwise(values):
+    ids = _top_k_ids(values, k)
     return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also))
-  key = _order_keys(values)
-  index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)
-  rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # (..., n): 0 for the largest
-  chosen = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # (..., k, n): one True per row
+  chosen = _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # (..., k, n): one True per row
   pick = lambda a: jnp.sum(jnp.where(chosen, a[..., None, :], 0), axis=-1)  # the one chosen entry, exactly
   # float entries are picked as their bits: every value comes back as it was (-0.0 and a NaN's sign included)
   picked = tuple(lax.bitcast_convert_type(pick(lax.bitcast_convert_type(a, jnp.int32)), a.dtype) for a in also)
   return (pick(jnp.arange(n, dtype=jnp.int32)), *picked)
+
+
+def _pairwise(values: jax.Array) -> bool:
+  """Whether a choice over the last axis of values is made by compare-and-count (within PAIRWISE_MAX_COMPARES)."""
+  return values.size * values.shape[-1] <= PAIRWISE_MAX_COMPARES
+
+
+def _ranks(values: jax.Array) -> jax.Array:
+  """(..., n) int32: each entry's place in `lax.top_k`'s order of the last axis (0 for the largest; ties to the
+  lower index, NaN by its sign): the count of entries that beat it, one fused reduction over (..., n, n)."""
+  n = values.shape[-1]
+  key = _order_keys(values)
+  index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)
+  return jnp.sum(beats, axis=-1, dtype=jnp.int32)
+
+
+def _top_k_ids(values: jax.Array, k: int) -> jax.Array:
+  """`lax.top_k(values, k)`'s ids past PAIRWISE_MAX_COMPARES: k rounds of one argmax, or lax.top_k for a large k."""
+  return _top_k_rounds(values, k) if k <= ROUNDS_MAX_K else lax.top_k(values, k)[1]
+
+
+def _in_top_k(values: jax.Array, k: int) -> jax.Array:
+  """(..., n) bool: whether each entry is among `lax.top_k(values, k)`'s (at decode its rank below k: no pick)."""
+  if _pairwise(values):
+    return _ranks(values) < k
+  ids = _top_k_ids(values, k)
+  return jnp.any(ids[..., :, None] == jnp.arange(values.shape[-1], dtype=jnp.int32), axis=-2)
+
+
+def _top_k_weighed(values: jax.Array, k: int, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(ids of `lax.top_k(values, k)`, weights at those ids), differentiable in weights. Compare-and-count picks both
+  in one fused reduction (a masked sum of a single term: the weight exactly, for weights that are never -0.0, as
+  probabilities and sigmoid scores are not); past it, ids as `_top_k` takes them and a gather."""
+  if not _pairwise(values):
+    ids = _top_k_ids(values, k)
+    return ids, jnp.take_along_axis(weights, ids, axis=-1)
+  n = values.shape[-1]
+  chosen = _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # (..., k, n): one True per row
+  ids = jnp.sum(jnp.where(chosen, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
+  return ids, jnp.sum(jnp.where(chosen, weights[..., None, :], jnp.zeros((), weights.dtype)), axis=-1)
 
 
 def _better(a, b):
@@ -301,16 +338,17 @@ class DeepSeekV3Router(_Routed):
     t = scores.shape[0]
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(t, self.n_group, e // self.n_group)
-    group_scores = _two_best_summed(grouped)
-    group_ids = _top_k(group_scores, self.topk_group)[0]
-    allowed = jnp.any(group_ids[:, :, None] == jnp.arange(self.n_group, dtype=jnp.int32), axis=1)
+    allowed = _in_top_k(_two_best_summed(grouped), self.topk_group)  # the topk_group best groups
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
-    ids = _top_k(masked, self.top_k)[0].astype(jnp.int32)
-    return ids, _nan_tokens_get_nan(choice, self._picked(scores, ids))
+    ids, weights = _top_k_weighed(masked, self.top_k, scores)
+    return ids.astype(jnp.int32), _nan_tokens_get_nan(choice, self._normalized(weights))
 
   def _picked(self, scores: jax.Array, ids: jax.Array) -> jax.Array:
     """The chosen experts' scores, gathered (exact values, differentiable), normalized and scaled."""
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    return self._normalized(jnp.take_along_axis(scores, ids, axis=-1))
+
+  def _normalized(self, weights: jax.Array) -> jax.Array:
+    """The chosen scores normalized (with norm_topk_prob) and scaled."""
     if self.norm_topk_prob:
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return weights * jnp.float32(self.routed_scaling_factor)
@@ -361,12 +399,14 @@ class Qwen3MoeRouter(_Routed):
     """XLA's choice on checked logits (T, E)."""
     del correction_bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    ids = _top_k(probs, self.top_k)[0].astype(jnp.int32)
-    return ids, _nan_tokens_get_nan(probs, self._picked(probs, ids))
+    ids, weights = _top_k_weighed(probs, self.top_k, probs)
+    return ids.astype(jnp.int32), _nan_tokens_get_nan(probs, self._normalized(weights))
 
   def _picked(self, probs: jax.Array, ids: jax.Array) -> jax.Array:
     """The chosen experts' probabilities, gathered (exact values, differentiable), renormalized."""
-    weights = jnp.take_along_axis(probs, ids, axis=-1)
+    return self._normalized(jnp.take_along_axis(probs, ids, axis=-1))
+
+  def _normalized(self, weights: jax.Array) -> jax.Array:
     return weights / weights.sum(-1, keepdims=True) if self.norm_topk_prob else weights
 
   def weights_of(self, logits: jax.Array, correction_bias, ids: jax.Array) -> jax.Array:
