@@ -155,6 +155,14 @@ def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, monkeypatch, shape, k, valu
   np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
   assert np.asarray(got_v).tobytes() == np.asarray(want_v).tobytes()
   assert np.asarray(got_other).tobytes() == np.take_along_axis(other, np.asarray(want_i), -1).tobytes()
+  # the membership the group choice uses, and the ids with their weights (probabilities, never -0.0) in one pick
+  member = np.zeros(shape, bool)
+  np.put_along_axis(member, np.asarray(want_i), True, -1)
+  np.testing.assert_array_equal(np.asarray(routing._in_top_k(jnp.asarray(v), k)), member)
+  weights = np.abs(other)
+  got_i, got_w = routing._top_k_weighed(jnp.asarray(v), k, jnp.asarray(weights))
+  np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+  assert np.asarray(got_w).tobytes() == np.take_along_axis(weights, np.asarray(want_i), -1).tobytes()
 
 
 def test_routers_break_ties_to_the_lower_index():
