@@ -126,7 +126,7 @@ _ROUTERS = {"deepseek_v3": lambda: (moe.DeepSeekV3Router(top_k=3, n_group=4, top
 @pytest.mark.parametrize("family", list(_ROUTERS))
 def test_routers_take_any_leading_shape(rng, family):
   """logits (..., E) of generated leading shapes (none included) route as their flattened tokens do: the same ids,
-  the weights to float32 rounding (docs/CONTRACT.md §8: XLA's GPU compiler fuses the normalizing sum per shape), eager
+  the weights to float32 rounding (docs/CONTRACT.md §8: XLA's compiler fuses the scores and the normalizing sum per shape), eager
   and under jit."""
   router, uses_bias = _ROUTERS[family]()
   bias = jnp.asarray(rng.standard_normal(16) * 0.1, F32) if uses_bias else None
@@ -138,7 +138,8 @@ def test_routers_take_any_leading_shape(rng, family):
       ids, weights = call(logits, bias)
       assert ids.shape == weights.shape == (*lead, 3) and ids.dtype == jnp.int32 and weights.dtype == F32
       np.testing.assert_array_equal(np.asarray(ids).reshape(-1, 3), np.asarray(flat_ids))
-      np.testing.assert_allclose(np.asarray(weights).reshape(-1, 3), np.asarray(flat_weights), rtol=4 * 2.0**-24,
+      # a few float32 ulps: the scores' exp and the normalizing sum are evaluated inside each shape's own fusion
+      np.testing.assert_allclose(np.asarray(weights).reshape(-1, 3), np.asarray(flat_weights), rtol=8 * 2.0**-24,
                                  atol=0)
 
 
