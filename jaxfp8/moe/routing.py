@@ -66,7 +66,7 @@ def _top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]
   if not _pairwise(values):
     ids = _top_k_ids(values, k)
     return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also))
-  chosen = _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # (..., k, n): one True per row
+  chosen = _chosen(values, k)
   pick = lambda a: jnp.sum(jnp.where(chosen, a[..., None, :], 0), axis=-1)  # the one chosen entry, exactly
   # float entries are picked as their bits: every value comes back as it was (-0.0 and a NaN's sign included)
   picked = tuple(lax.bitcast_convert_type(pick(lax.bitcast_convert_type(a, jnp.int32)), a.dtype) for a in also)
@@ -86,6 +86,11 @@ def _ranks(values: jax.Array) -> jax.Array:
   index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
   beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)
   return jnp.sum(beats, axis=-1, dtype=jnp.int32)
+
+
+def _chosen(values: jax.Array, k: int) -> jax.Array:
+  """(..., k, n) bool: row j marks the entry of rank j (one True per row)."""
+  return _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
 
 
 def _top_k_ids(values: jax.Array, k: int) -> jax.Array:
@@ -109,7 +114,7 @@ def _top_k_weighed(values: jax.Array, k: int, weights: jax.Array) -> tuple[jax.A
     ids = _top_k_ids(values, k)
     return ids, jnp.take_along_axis(weights, ids, axis=-1)
   n = values.shape[-1]
-  chosen = _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # (..., k, n): one True per row
+  chosen = _chosen(values, k)
   ids = jnp.sum(jnp.where(chosen, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
   return ids, jnp.sum(jnp.where(chosen, weights[..., None, :], jnp.zeros((), weights.dtype)), axis=-1)
 
@@ -343,10 +348,6 @@ class DeepSeekV3Router(_Routed):
     ids, weights = _top_k_weighed(masked, self.top_k, scores)
     return ids.astype(jnp.int32), _nan_tokens_get_nan(choice, self._normalized(weights))
 
-  def _picked(self, scores: jax.Array, ids: jax.Array) -> jax.Array:
-    """The chosen experts' scores, gathered (exact values, differentiable), normalized and scaled."""
-    return self._normalized(jnp.take_along_axis(scores, ids, axis=-1))
-
   def _normalized(self, weights: jax.Array) -> jax.Array:
     """The chosen scores normalized (with norm_topk_prob) and scaled."""
     if self.norm_topk_prob:
@@ -357,7 +358,7 @@ class DeepSeekV3Router(_Routed):
     """The weights of the experts `ids` (T, k) chose from logits (T, E): their scores, gathered (differentiable in
     the logits, exact values), normalized."""
     del correction_bias  # it moves the choice only
-    return self._picked(jax.nn.sigmoid(logits.astype(jnp.float32)), ids)
+    return self._normalized(jnp.take_along_axis(jax.nn.sigmoid(logits.astype(jnp.float32)), ids, axis=-1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,17 +403,14 @@ class Qwen3MoeRouter(_Routed):
     ids, weights = _top_k_weighed(probs, self.top_k, probs)
     return ids.astype(jnp.int32), _nan_tokens_get_nan(probs, self._normalized(weights))
 
-  def _picked(self, probs: jax.Array, ids: jax.Array) -> jax.Array:
-    """The chosen experts' probabilities, gathered (exact values, differentiable), renormalized."""
-    return self._normalized(jnp.take_along_axis(probs, ids, axis=-1))
-
   def _normalized(self, weights: jax.Array) -> jax.Array:
+    """The chosen probabilities renormalized (with norm_topk_prob)."""
     return weights / weights.sum(-1, keepdims=True) if self.norm_topk_prob else weights
 
   def weights_of(self, logits: jax.Array, correction_bias, ids: jax.Array) -> jax.Array:
     """The weights of the experts `ids` (T, k) chose from logits (T, E) (differentiable in the logits)."""
     del correction_bias
-    return self._picked(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), ids)
+    return self._normalized(jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), ids, axis=-1))
 
 
 Router = DeepSeekV3Router | Qwen3MoeRouter
