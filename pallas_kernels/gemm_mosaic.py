@@ -1,8 +1,9 @@
 """Block-scaled FP8 GEMM for Hopper (sm_90) in Pallas Mosaic GPU.
 
-Computes docs/CONTRACT.md §2 with block_size (128, 128):
+Computes docs/CONTRACT.md §2 with block_size (gn, gk) = (config.block_n, config.block_k), each 64 or 128 (128 in
+the text below, where a 64-wide K block also uses a 64-byte swizzle):
 
-    C[m, n] = out_dtype(bias[n] + sum_g a_s[m, g] * b_s[n // 128, g] * sum_{k in group g} a_q[m, k] * b_q[n, k])
+    C[m, n] = out_dtype(bias[n] + sum_g a_s[m, g] * b_s[n // gn, g] * sum_{k in group g} a_q[m, k] * b_q[n, k])
 
 The promotion math, the config and the warp-specialized pipeline set-up live in `gemm_mosaic_common.py` (shared
 with the grouped kernel): every 128-wide K block's FP8 wgmma runs into a fresh f32 accumulator that is scaled by
@@ -126,7 +127,7 @@ def _tile_store(out_gmem, row0, col0, cfg: MosaicGemmConfig):
 def _simple_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, out_gmem, out_smem, *, cfg: MosaicGemmConfig):
   k = a_gmem.shape[1]
   n = b_gmem.shape[0]
-  num_k_blocks, num_n_blocks = k // BLOCK, pl.cdiv(n, BLOCK)
+  num_k_blocks, num_n_blocks = k // cfg.block_k, pl.cdiv(n, cfg.block_n)
   n_idx = lax.axis_index("n")
   m_idx = lax.axis_index("m")
 
@@ -198,8 +199,8 @@ def _ws_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, bias_gmem, live_gmem, out_gmem,
       live_loop_rows = lax.div(live_rows + rows_per_loop_row - 1, jnp.int32(rows_per_loop_row))  # live_rows <= M
     tile_loop(cfg, shape, pair, live_loop_rows)
 
-  warp_specialized(cfg, (a_gmem, b_gmem, as_gmem), slots_type, body, num_k_blocks=k // BLOCK,
-                   num_n_blocks=pl.cdiv(n, BLOCK))
+  warp_specialized(cfg, (a_gmem, b_gmem, as_gmem), slots_type, body, num_k_blocks=k // cfg.block_k,
+                   num_n_blocks=pl.cdiv(n, cfg.block_n))
 
 
 def _loop_shape(cfg: MosaicGemmConfig, m_iters: int, n_iters: int) -> tuple[int, int]:
@@ -219,13 +220,13 @@ def tma_rows_ok(rows: int) -> bool:
   return rows % TMA_ROW_TILE == 0 or rows < TMA_ROW_TILE
 
 
-def shape_problems(n: int, k: int) -> list[str]:
-  """What this kernel cannot do about a (N, K) weight (empty: nothing). Any M >= 1 works."""
+def shape_problems(n: int, k: int, block_k: int = BLOCK) -> list[str]:
+  """What this kernel cannot do about a (N, K) weight in K blocks of block_k (empty: nothing). Any M >= 1 works."""
   problems = []
   if n % 8 or n == 0:
     problems.append(f"N={n} must be a positive multiple of 8 (the output rows' TMA stride)")
-  if k % BLOCK or k == 0:
-    problems.append(f"K={k} must be a positive multiple of {BLOCK}")
+  if k % block_k or k == 0:
+    problems.append(f"K={k} must be a positive multiple of {block_k}")
   return problems
 
 
@@ -256,10 +257,10 @@ def block_fp8_matmul(
     live_rows: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-  """C = a_q @ b_q.T with (1, 128) activation and (128, 128) weight block scales; see the module docstring.
+  """C = a_q @ b_q.T, (1, gk) activation and (gn, gk) = (config.block_n, config.block_k) weight block scales.
 
-  a_q (M, K) e4m3fn; b_q (N, K) e4m3fn; a_s_col (K // 128, M') float32 column-major, M' >= M, M' % 4 == 0;
-  b_s (ceil(N / 128), K // 128) float32; bias (N,) float32 or out_dtype. Returns (M, N) out_dtype.
+  a_q (M, K) e4m3fn; b_q (N, K) e4m3fn; a_s_col (K // gk, M') float32 column-major, M' >= M, M' % 4 == 0;
+  b_s (ceil(N / gn), K // gk) float32; bias (N,) float32 or out_dtype. Returns (M, N) out_dtype.
   out_rows: output only the first out_rows rows (M above is then out_rows): the rows of a_q past them are padding
   (e.g. the quantizer's zero rows up to a whole 64-row tile), read as they are instead of as TMA zero fill.
   live_rows: an int32 scalar (traced or not, clipped to [0, M]): the rows from it on come out 0 and their row tiles

@@ -27,10 +27,18 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 
-BLOCK = 128  # the contract's block size (gn, gk), fixed for these kernels
+BLOCK = 128  # the default block size (gn, gk) of the weight scales; MosaicGemmConfig.block_n / block_k
+BLOCK_SIZES = (64, 128)  # the gn and gk the kernels take
+MAX_SUB_N = 128  # columns of the widest sub-tile (one wgmma and its fresh accumulator)
 WGMMA_M = 64  # rows of one wgmma (and of one sub-tile)
 SMEM_BYTES = 232448  # per-block shared memory on H100/H200 (227 KiB)
-FP8_TRANSFORMS = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+
+
+def fp8_transforms(block_k: int) -> tuple:
+  """The SMEM layout of FP8 operand tiles whose K blocks are block_k wide: a block_k-byte swizzle, so that each K
+  block's wgmma starts at a swizzle boundary."""
+  return plgpu.TilingTransform((8, block_k)), plgpu.SwizzleTransform(block_k)
+
 # Mosaic GPU describes the TMA of a swizzled (8, 128)-tiled SMEM tile as a copy from an (8, 128)-tiled view of the
 # whole GMEM array, which exists only when the array's row count is a multiple of 8 or below 8.
 TMA_ROW_TILE = 8
@@ -50,8 +58,8 @@ class MosaicGemmConfig:
   tile_m, tile_n: the CTA output tile. tile_m a multiple of 64; tile_n a multiple of 8 up to 256. A tile_n that
     neither divides 128 nor is a multiple of it scales per column (`scales_per_column`) and needs N % tile_n == 0.
   max_concurrent_steps: TMA pipeline depth (stages in SMEM).
-  k_blocks_per_step: 128-wide K blocks per pipeline step (1 or 2). With 2, each sub-tile's second wgmma overlaps the
-    scaling of the first.
+  k_blocks_per_step: K blocks (block_k wide) per pipeline step (1 or 2). With 2, each sub-tile's second wgmma
+    overlaps the scaling of the first.
   warp_specialized: False: the dense kernel's simple one-warpgroup kernel (grid of tiles). True: producer + consumer
     warpgroups.
   num_compute_wgs: consumer warpgroups (1, 2 or 3; warp-specialized only). wg_split: the dimension they split the
@@ -73,9 +81,12 @@ class MosaicGemmConfig:
   skip_idle_consumers: grouped kernel: a consumer warpgroup whose part of a work item's tile holds none of its rows
     runs no wgmma (False: it computes rows it will not store, as two consumers did before the flag).
   sub_tile_n: columns of one sub-tile (one wgmma and its promotion); None: the warpgroup's columns in as few equal
-    parts of at most 128 as there can be. A narrower sub-tile holds a smaller fresh wgmma accumulator (64 * sub_n /
+    parts of at most MAX_SUB_N as there can be. A narrower sub-tile holds a smaller fresh wgmma accumulator (64 * sub_n /
     128 registers a thread): where the compiler ignores setmaxnreg (JAX 0.12's libnvJitLink) a consumer must fit the
-    launch's even share of registers. It must divide the warpgroup's columns and 128, a multiple of 8.
+    launch's even share of registers. It must divide the warpgroup's columns and MAX_SUB_N, a multiple of 8.
+  block_n, block_k: the problem's block size (gn, gk) (docs/CONTRACT.md §2), each 64 or 128: a weight scale per
+    block_n columns and block_k K, an activation scale per row and block_k K. The backends set them from the call's
+    block_size; a sub-tile wider than block_n meets two weight-scale blocks and scales per column.
   """
   tile_m: int = 128
   tile_n: int = 128
@@ -94,6 +105,8 @@ class MosaicGemmConfig:
   weight_scales_ahead: bool = False
   skip_idle_consumers: bool = True
   sub_tile_n: int | None = None
+  block_n: int = BLOCK
+  block_k: int = BLOCK
 
   def __post_init__(self):
     for name in ("tile_m", "tile_n", "max_concurrent_steps", "k_blocks_per_step", "num_compute_wgs",
@@ -112,16 +125,24 @@ class MosaicGemmConfig:
     wg_m, wg_n = self.wg_tile
     if self.sub_tile_n is not None and (
         not isinstance(self.sub_tile_n, int) or isinstance(self.sub_tile_n, bool) or self.sub_tile_n < 8
-        or self.sub_tile_n % 8 or wg_n % self.sub_tile_n or BLOCK % self.sub_tile_n):
+        or self.sub_tile_n % 8 or wg_n % self.sub_tile_n or MAX_SUB_N % self.sub_tile_n):
       raise ValueError(f"sub_tile_n must be None or a multiple of 8 that divides the warpgroup's {wg_n} columns and "
-                       f"{BLOCK}, got {self.sub_tile_n!r}")
+                       f"{MAX_SUB_N}, got {self.sub_tile_n!r}")
     split = (f"tile_m={self.tile_m}, tile_n={self.tile_n}, num_compute_wgs={self.num_compute_wgs}, "
              f"wg_split={self.wg_split.name}")
     if wg_m % WGMMA_M or wg_m == 0:
       raise ValueError(f"{split}: each consumer warpgroup needs a multiple of {WGMMA_M} rows, got {wg_m}")
-    if wg_n % 8 or wg_n == 0 or wg_n % pl.cdiv(wg_n, BLOCK) or self.sub_n % 8:
+    if wg_n % 8 or wg_n == 0 or wg_n % pl.cdiv(wg_n, MAX_SUB_N) or self.sub_n % 8:
       raise ValueError(f"{split}: each consumer warpgroup needs a multiple of 8 columns that splits into equal "
-                       f"sub-tiles of at most {BLOCK} columns, each a multiple of 8, got {wg_n}")
+                       f"sub-tiles of at most {MAX_SUB_N} columns, each a multiple of 8, got {wg_n}")
+    for name in ("block_n", "block_k"):
+      if getattr(self, name) not in BLOCK_SIZES:
+        raise ValueError(f"MosaicGemmConfig.{name} must be one of {BLOCK_SIZES}, got {getattr(self, name)!r}")
+    if self.scales_per_column and self.sub_n > self.block_n and (self.sub_n % self.block_n or
+                                                                   self.tile_n % self.block_n):
+      # the per-column choice takes one of two blocks: a sub-tile must not meet three
+      raise ValueError(f"{split}: sub-tiles of {self.sub_n} columns wider than block_n={self.block_n} must start at "
+                       f"its multiples (tile_n and the sub-tile width multiples of it)")
     if self.epi_tile_n is not None and (self.epi_tile_n not in (8, 16, 32, 64) or self.sub_n % self.epi_tile_n):
       raise ValueError(f"epi_tile_n must be 8, 16, 32 or 64 and divide the sub-tile width {self.sub_n}, "
                        f"got {self.epi_tile_n}")
@@ -147,18 +168,19 @@ class MosaicGemmConfig:
 
   @property
   def scales_per_column(self) -> bool:
-    """Whether a sub-tile can straddle a 128-column weight-scale block (tile_n neither divides 128 nor is a multiple
-    of it), so that the weight scale is chosen per column."""
-    return self.tile_n % BLOCK != 0 and BLOCK % self.tile_n != 0
+    """Whether a sub-tile can straddle two block_n-column weight-scale blocks, so that the weight scale is chosen per
+    column: unless the sub-tile width divides block_n and tiles either divide blocks or are whole blocks."""
+    aligned_tiles = self.tile_n % self.block_n == 0 or self.block_n % self.tile_n == 0
+    return not (aligned_tiles and self.block_n % self.sub_n == 0)
 
   @property
   def sub_n(self) -> int:
     """Columns of one sub-tile (one wgmma; one b_s scalar unless `scales_per_column`): `sub_tile_n`, else the
-    warpgroup's columns in as few equal parts of at most 128 as there can be."""
+    warpgroup's columns in as few equal parts of at most MAX_SUB_N as there can be."""
     if self.sub_tile_n is not None:
       return self.sub_tile_n
     wg_n = self.wg_tile[1]
-    return wg_n // pl.cdiv(wg_n, BLOCK)
+    return wg_n // pl.cdiv(wg_n, MAX_SUB_N)
 
   def epi_n(self, out_dtype) -> int:
     """Columns per epilogue store for this output dtype."""
@@ -170,7 +192,7 @@ class MosaicGemmConfig:
   def pipeline_smem_bytes(self) -> int:
     """Shared memory of the TMA pipeline: A tile, B tile, activation scales and (over-counted) each stage's barriers
     and alignment, plus room for the kernel's own barriers."""
-    bk = BLOCK * self.k_blocks_per_step
+    bk = self.block_k * self.k_blocks_per_step
     stage = self.tile_m * bk + self.tile_n * bk + 4 * self.k_blocks_per_step * self.tile_m + 128
     return self.max_concurrent_steps * stage + 512
 
@@ -198,7 +220,7 @@ def common_problems(config: MosaicGemmConfig, n: int, out_dtype, smem_bytes: int
 
 def fit_smem(config: MosaicGemmConfig, k: int, smem_bytes: Callable[[MosaicGemmConfig], int]) -> MosaicGemmConfig:
   """`config` with max_concurrent_steps lowered to at most the K steps, then until it fits in shared memory."""
-  steps = max(1, min(config.max_concurrent_steps, pl.cdiv(k // BLOCK, config.k_blocks_per_step)))
+  steps = max(1, min(config.max_concurrent_steps, pl.cdiv(pl.cdiv(k, config.block_k), config.k_blocks_per_step)))
   config = dataclasses.replace(config, max_concurrent_steps=steps)
   while smem_bytes(config) > SMEM_BYTES and config.max_concurrent_steps > 1:
     config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
@@ -230,14 +252,14 @@ def _weight_scales(bs_gmem, col_ids, k_block, sub_col0, cfg: MosaicGemmConfig, n
 
   Clamped indices only occur for blocks past N, whose outputs are clipped (or, per column, never selected).
   """
-  first = sub_col0 // BLOCK
+  first = sub_col0 // cfg.block_n
   scale = bs_gmem[jnp.minimum(first, num_n_blocks - 1), k_block]
   if not cfg.scales_per_column:
     return scale
-  # A sub-tile of at most 128 columns meets at most two blocks: the columns before the next block's first column
-  # take this block's scale.
+  # A sub-tile meets at most two blocks (the config's checks): the columns before the next block's first column take
+  # this block's scale.
   next_scale = bs_gmem[jnp.minimum(first + 1, num_n_blocks - 1), k_block]
-  return jnp.where(col_ids < (first + 1) * BLOCK - sub_col0, scale, next_scale)
+  return jnp.where(col_ids < (first + 1) * cfg.block_n - sub_col0, scale, next_scale)
 
 
 def _step_weight_scales(bs_gmem, k_step, col0, cfg: MosaicGemmConfig, num_k_blocks: int, num_n_blocks: int):
@@ -291,7 +313,7 @@ def scaled_mma_step(
 
       def issue_and_scale(*fresh_refs, i=i, j=j, rows=rows, cols=cols, row_scales=row_scales):
         for kb, fresh in enumerate(fresh_refs):
-          ks = pl.ds(kb * BLOCK, BLOCK)
+          ks = pl.ds(kb * cfg.block_k, cfg.block_k)
           plgpu.wgmma(fresh, a_smem.at[rows, ks], b_smem.at[cols, ks].T)
         acc = new_accs[i * subs_n + j]
         for kb, fresh in enumerate(fresh_refs):
@@ -317,16 +339,17 @@ def in_specs(cfg: MosaicGemmConfig, m_idx, n_idx, b_pair=None):
 
   b_pair: None, or the index of a pair of weight halves in a (2 x pairs, N/2, K) view of B (`warp_specialized`'s
   paired_b): the B tile is then tile_n/2 rows of each half, one consumer warpgroup's each."""
-  bk = BLOCK * cfg.k_blocks_per_step
+  bk = cfg.block_k * cfg.k_blocks_per_step
+  transforms = fp8_transforms(cfg.block_k)
   shared_a = ("cluster",) if cfg.cluster_dim == Dim.N else None
   shared_b = ("cluster",) if cfg.cluster_dim == Dim.M else None
   if b_pair is None:
-    b_spec = plgpu.BlockSpec((cfg.tile_n, bk), lambda k: (n_idx, k), transforms=FP8_TRANSFORMS,
+    b_spec = plgpu.BlockSpec((cfg.tile_n, bk), lambda k: (n_idx, k), transforms=transforms,
                              collective_axes=shared_b)
   else:
-    b_spec = plgpu.BlockSpec((2, cfg.tile_n // 2, bk), lambda k: (b_pair, n_idx, k), transforms=FP8_TRANSFORMS)
+    b_spec = plgpu.BlockSpec((2, cfg.tile_n // 2, bk), lambda k: (b_pair, n_idx, k), transforms=transforms)
   return [
-      plgpu.BlockSpec((cfg.tile_m, bk), lambda k: (m_idx, k), transforms=FP8_TRANSFORMS, collective_axes=shared_a),
+      plgpu.BlockSpec((cfg.tile_m, bk), lambda k: (m_idx, k), transforms=transforms, collective_axes=shared_a),
       b_spec,
       plgpu.BlockSpec((cfg.k_blocks_per_step, cfg.tile_m), lambda k: (k, m_idx), collective_axes=shared_a),
   ]
@@ -405,7 +428,7 @@ def warpgroup_origin(cfg: MosaicGemmConfig, wg_idx):
 def _check_pairs(cfg: MosaicGemmConfig, num_n_blocks: int):
   if cfg.num_compute_wgs != 2 or cfg.wg_split != Dim.N or cfg.cluster_dim is not None or num_n_blocks % 2:
     raise ValueError(f"paired weight halves need two consumers split along N, no cluster and an even number of "
-                     f"128-column blocks, got {cfg} on {num_n_blocks} blocks")
+                     f"{cfg.block_n}-column blocks, got {cfg} on {num_n_blocks} blocks")
 
 
 def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, num_k_blocks: int,
@@ -425,7 +448,7 @@ def warp_specialized(cfg: MosaicGemmConfig, operands, epilogue_slots, body, *, n
   wg_m, wg_n = cfg.wg_tile
   if paired_b:
     _check_pairs(cfg, num_n_blocks)
-  half_n = num_n_blocks // 2 * BLOCK  # with paired_b: the columns of one half
+  half_n = num_n_blocks // 2 * cfg.block_n  # with paired_b: the columns of one half
 
   def pipeline(mma_body, compute_context, m_idx=0, n_idx=0, b_pair=None):
     return plgpu.emit_pipeline_warp_specialized(

@@ -74,7 +74,8 @@ def config_problems(config: MosaicGemmConfig, n: int, out_dtype) -> list[str]:
   if config.cluster_dim is not None:
     problems.append("the grouped kernel does not build CTA clusters (cluster_dim=None)")
   if config.scales_per_column:
-    problems.append(f"tile_n={config.tile_n}: the grouped kernel takes widths that divide 128 or are multiples of it")
+    problems.append(f"tile_n={config.tile_n} in sub-tiles of {config.sub_n}: the grouped kernel takes sub-tiles "
+                    f"inside one {config.block_n}-column weight-scale block")
   width = epi_n(out_dtype)
   if config.sub_n % width:
     problems.append(f"sub-tiles of {config.sub_n} columns do not split into {width}-column pieces of 128-byte rows "
@@ -97,6 +98,9 @@ def silu_quant_problems(config: MosaicGemmConfig, n: int, h_dtype) -> list[str]:
                     f"wg_split={config.wg_split.name}")
   if not config.warp_specialized or config.cluster_dim is not None:
     problems.append("the fused epilogue is warp-specialized without clusters")
+  if (config.block_n, config.block_k) != (BLOCK, BLOCK):
+    problems.append(f"the fused epilogue quantizes h in groups of {BLOCK} (block_size ({BLOCK}, {BLOCK})), got "
+                    f"block_n={config.block_n}, block_k={config.block_k}")
   if config.sub_n != BLOCK:
     problems.append(f"the fused epilogue takes each consumer's {BLOCK} columns as one sub-tile (sub_tile_n=None), "
                     f"got sub_tile_n={config.sub_tile_n}")
@@ -278,8 +282,8 @@ def _kernel(live_items_gmem, items_gmem, a_gmem, b_gmem, as_gmem, bs_gmem, out_g
 
     tile_loop(cfg, (_loop_items(live_items_gmem, num_items), pl.cdiv(n, cfg.tile_n)), tile)
 
-  warp_specialized(cfg, (a_gmem.at[0], b_gmem.at[0], as_gmem.at[0]), slots_type, body, num_k_blocks=k // BLOCK,
-                   num_n_blocks=pl.cdiv(n, BLOCK))
+  warp_specialized(cfg, (a_gmem.at[0], b_gmem.at[0], as_gmem.at[0]), slots_type, body,
+                   num_k_blocks=k // cfg.block_k, num_n_blocks=pl.cdiv(n, cfg.block_n))
 
 
 # ------------------------------------------------- gate_up with the SiLU-and-mul quantizer in its epilogue

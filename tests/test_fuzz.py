@@ -231,12 +231,13 @@ def test_gemm_triton(seed, data, block_size, out_dtype, column_major, with_bias)
 @given(seed=seeds, data=st.data(), out_dtype=out_dtypes, column_major=st.booleans(), with_bias=st.booleans())
 def test_gemm_mosaic(seed, data, out_dtype, column_major, with_bias):
   helpers.runnable("mosaic")
-  # The Mosaic kernel takes block (128, 128), N a multiple of 8 (a partial last column tile), K a multiple of 128 and
-  # M % 4 == 0 (other shapes are refused).
+  # The Mosaic kernel takes blocks of 64 or 128, N a multiple of 8 (a partial last column tile), K a multiple of gk
+  # and M % 4 == 0 (other shapes are refused).
+  block_size = data.draw(st.sampled_from([(128, 128), (64, 64), (128, 64), (64, 128)]), label="block_size")
   m = 4 * data.draw(st.integers(1, 75 if NATIVE else 2), label="m / 4")
   n = 8 * data.draw(st.integers(1, 192 if NATIVE else 24), label="n / 8")
-  k = 128 * data.draw(st.integers(1, 12 if NATIVE else 1), label="k / 128")
-  _check_gemm(np.random.default_rng(seed), m, n, k, (128, 128), out_dtype, column_major, with_bias, "mosaic")
+  k = block_size[1] * data.draw(st.integers(1, 12 if NATIVE else 2), label="k / gk")
+  _check_gemm(np.random.default_rng(seed), m, n, k, block_size, out_dtype, column_major, with_bias, "mosaic")
 
 
 # ---- the linear ----------------------------------------------------------------------------------------------------

@@ -324,6 +324,69 @@ def test_any_m(rng):
   _check(_run(a_q, b_q, a_s, b_s, config=KINDS["ws2_m_128x128"]), a_q, b_q, a_s, b_s, jnp.float32)
 
 
+# (gn, gk) the kernel takes besides DeepSeek-V3's (128, 128) (docs/CONTRACT.md §2), and the structures they are
+# interpreted on with the N each is run at: one CTA per tile with two K blocks per step and scales ahead, two
+# consumers side by side along N on a persistent grid, the simple kernel, two K blocks with 16-column stores, and
+# 56-column tiles that scale per column (a tile meets two blocks of 64 at several offsets).
+OTHER_BLOCK_SIZES = [(64, 64), (128, 64), (64, 128)]
+BLOCK_SIZE_KINDS = {"ws1_64x128_k2_ahead": (KINDS["ws1_64x128_k2_ahead"], 200),
+                    "ws2_n_128x256": (KINDS["ws2_n_128x256"], 200),
+                    "simple_64x128_k2": (KINDS["simple_64x128_k2"], 200),
+                    "ws2_m_128x128_k2_epi16": (KINDS["ws2_m_128x128_k2_epi16"], 200),
+                    "ws1_64x56_f32": (COLUMN_KINDS["ws1_64x56_f32"][0], 896)}
+
+
+def _blocked_problem(rng, m: int, n: int, k: int, block_size, decades: float = 2.0):
+  """_quantized_problem for any (gn, gk): each activation group and weight block at its own magnitude."""
+  gn, gk = block_size
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  x *= np.repeat(10.0 ** rng.uniform(-decades, decades, (m, k // gk)), gk, axis=1).astype(np.float32)
+  a_q, a_s = ref.per_token_group_quant_fp8(x, gk, column_major_scales=True, scale_tma_aligned=True)
+  w_scales = 10.0 ** rng.uniform(-decades, decades, (-(-n // gn), k // gk))
+  w = rng.standard_normal((n, k)) * np.repeat(np.repeat(w_scales, gn, 0), gk, 1)[:n]
+  b_q, b_s = ref.quantize_weight_blockwise(w.astype(np.float32), block_size)
+  return a_q, b_q, a_s, b_s
+
+
+@pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)
+@pytest.mark.parametrize("kind", list(BLOCK_SIZE_KINDS))
+def test_block_sizes(rng, block_size, kind):
+  """Blocks of 64 through the public call (the backend sets the config's blocks, and 64-column sub-tiles where
+  gn = 64 and the tile's sub-tiles are wider): a weight scale per 64 columns, activation and weight scales per 64 K
+  (64-byte swizzled K blocks), K an odd number of 64-wide blocks where gk = 64, a partial last column tile, a bias."""
+  config, n = BLOCK_SIZE_KINDS[kind]
+  m, k = 70, 320 if block_size[1] == 64 else 384
+  a_q, b_q, a_s, b_s = _blocked_problem(rng, m, n, k, block_size)
+  bias = (rng.standard_normal(n) * 10).astype(np.float32)
+  out = jaxfp8.w8a8_block_fp8_matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
+                                     block_size, a_s_column_major=True, bias=jnp.asarray(bias),
+                                     out_dtype=jnp.float32, implementation="mosaic", config=config, interpret=True)
+  expect = ref.block_fp8_matmul(a_q, b_q, a_s, b_s, block_size, a_s_column_major=True, bias=bias)
+  out = np.asarray(out)
+  assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+  assert ref.relative_error(out, ref.cast_output(expect, jnp.float32)) <= 2e-4
+
+
+@pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)
+@pytest.mark.parametrize("m", [4, 256, 4096])
+def test_block_sizes_lower_for_cuda(block_size, m):
+  """The default schedules (decode, two row tiles, prefill) with blocks of 64, lowered for an H200: one kernel."""
+  gn, gk = block_size
+  n, k = 7168 + 64, 2048 + (64 if gk == 64 else 0)
+  structs = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((k // gk, -(-m // 4) * 4), jnp.float32),
+             jax.ShapeDtypeStruct((-(-n // gn), k // gk), jnp.float32)]
+  call = lambda *xs: jaxfp8.w8a8_block_fp8_matmul(*xs, block_size, a_s_column_major=True, implementation="mosaic")
+  with _platform.abstract_h200():
+    exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*structs)
+    plan = jaxfp8.gemm.planner.plan(jaxfp8.gemm.planner.problem(m, n, k, block_size), implementation="mosaic")
+    default = jaxfp8.gemm.planner.plan(jaxfp8.gemm.planner.problem(m, n, k, block_size))
+  assert helpers.kernel_calls(exported.mlir_module()) == ["mosaic_gpu_v2"]
+  assert (plan.config.block_n, plan.config.block_k) == block_size, plan
+  assert default.implementation != "mosaic", str(default)  # not by default until measured on an H200
+  assert m <= 4 or "not yet measured on an H200" in str(default), str(default)
+
+
 def test_default_config_runs(rng):
   for m in (4, 132):
     a_q, b_q, a_s, b_s = _quantized_problem(rng, m, 256, 256)
@@ -409,7 +472,8 @@ def test_any_m_and_any_scale_columns_run(rng):
     dict(max_concurrent_steps=0), dict(max_concurrent_steps=2.0), dict(grid_tile_width=0),
     dict(cluster_dim=Dim.M, persistent=False), dict(cluster_dim=Dim.N, warp_specialized=False),
     dict(live_grid=True, persistent=False), dict(sub_tile_n=48),
-    dict(sub_tile_n=4), dict(sub_tile_n=256), dict(sub_tile_n=True)],
+    dict(sub_tile_n=4), dict(sub_tile_n=256), dict(sub_tile_n=True), dict(block_n=32), dict(block_k=256),
+    dict(block_k=True), dict(tile_n=192, num_compute_wgs=1, block_n=64)],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_a_config_no_kernel_can_build_is_refused_when_made(kwargs):
   """Configs check themselves on construction (and on dataclasses.replace), naming the field."""
@@ -772,6 +836,26 @@ def test_gpu_column_kinds(kind, n, k, m):
   config, _, _, out_dtype = COLUMN_KINDS[kind]
   config = mosaic_backend._fit_smem(dataclasses.replace(config, max_concurrent_steps=4, grid_size=None), out_dtype, 1 << 20)
   _check_on_gpu(m, n, k, config, out_dtype, seed=zlib.crc32(kind.encode()) % 1000 + m)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)
+@pytest.mark.parametrize("m", [16, 300, 1024])
+def test_gpu_block_sizes(block_size, m):
+  """Blocks of 64 on the default schedules (decode, two row tiles, prefill) natively: N = 1600 (a multiple of 64, not
+  of 128), K an odd number of 64-wide blocks where gk = 64, a bias; the whole output against the float64 reference."""
+  rng = np.random.default_rng(m + block_size[0] + 2 * block_size[1])
+  n, k = 1600, 2112 if block_size[1] == 64 else 2176
+  a_q, b_q, a_s, b_s = _blocked_problem(rng, m, n, k, block_size)
+  bias = (rng.standard_normal(n) * 10).astype(np.float32)
+  out = jaxfp8.w8a8_block_fp8_matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
+                                     block_size, a_s_column_major=True, bias=jnp.asarray(bias),
+                                     implementation="mosaic")
+  expect = ref.block_fp8_matmul(a_q, b_q, a_s, b_s, block_size, a_s_column_major=True, bias=bias)
+  out = np.asarray(out.astype(jnp.float32))
+  assert np.isfinite(out).all()
+  assert ref.relative_error(out, ref.cast_output(expect, jnp.bfloat16).astype(np.float32)) <= 5e-3
 
 
 @pytest.mark.gpu

@@ -487,6 +487,41 @@ def test_mosaic_column_tails(rng, kind, layout, n):
   _check(out, expect, jnp.bfloat16)
 
 
+# (gn, gk) the kernel takes besides DeepSeek-V3's (128, 128) (docs/CONTRACT.md §2)
+OTHER_BLOCK_SIZES = [(64, 64), (128, 64), (64, 128)]
+
+
+def _block_spread(rng, args, layout, block_size, column_major):
+  """args with every activation and weight scale multiplied by its own power of two in [2^-6, 2^6], and the
+  reference for them: a scale taken from a neighbouring block (64 columns or 64 K over) cannot hide."""
+  a_q, b_q, a_s, b_s, counts = args
+  a_s = (a_s * 2.0 ** rng.integers(-6, 7, a_s.shape)).astype(np.float32)
+  b_s = (b_s * 2.0 ** rng.integers(-6, 7, b_s.shape)).astype(np.float32)
+  f = ref.ragged_block_fp8_matmul if layout == "ragged" else ref.masked_block_fp8_matmul
+  return (a_q, b_q, a_s, b_s, counts), f(a_q, b_q, a_s, b_s, counts, block_size, a_s_column_major=column_major)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)
+@pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_n_64x256", "ws2_m_128x128_k2"])
+def test_mosaic_block_sizes_interpreted(rng, block_size, kind):
+  """Block sizes of 64: a weight scale per 64 columns (a 128-column sub-tile promoted as two of 64), activation and
+  weight scales per 64 K (64-byte swizzled K blocks), K not a multiple of 128 where gk = 64, a partial last column
+  tile (N = 200), both layouts, every structure; the scales spread over 12 binades."""
+  k = 320 if block_size[1] == 64 else 384
+  for layout in ("ragged", "masked"):
+    if layout == "ragged":
+      case = _ragged_case(rng, [70, 0, 1, 60, 0, 10], 150, 200, k, block_size, column_major=True)
+      call = jaxfp8.ragged_w8a8_block_fp8_matmul
+    else:
+      case = _masked_case(rng, [5, 0, 70, 33], 70, 200, k, block_size, column_major=True)
+      call = jaxfp8.masked_w8a8_block_fp8_matmul
+    args, expect = _block_spread(rng, case[0], layout, block_size, True)
+    out = call(*args, block_size, a_s_column_major=True, out_dtype=jnp.float32, implementation="mosaic",
+               config=KINDS[kind])
+    _check(out, expect, jnp.float32)
+
+
 # masked_m of T = 70 rows (a partial last row tile) and the live tiles (items x 2 column tiles) each leaves for a grid
 # of LIVE_GRID_CTAS, with the rows no expert owns zeroed or not
 LIVE_GRID_CASES = {
@@ -614,21 +649,22 @@ EXPERT_SHAPES = {"deepseek_v3_ep8.gate_up": (32, 4096, 7168), "deepseek_v3_ep8.d
                  "qwen3_30b_a3b.gate_up": (128, 1536, 2048), "qwen3_30b_a3b.down": (128, 2048, 768)}
 
 
-def _lower(layout, e, rows, n, k, out_dtype, config=None):
+def _lower(layout, e, rows, n, k, out_dtype, config=None, block_size=(128, 128)):
+  gn, gk = block_size
   if layout == "ragged":
     a = jax.ShapeDtypeStruct((rows, k), F8)
-    s = jax.ShapeDtypeStruct((k // 128, -(-rows // 4) * 4), jnp.float32)
+    s = jax.ShapeDtypeStruct((k // gk, -(-rows // 4) * 4), jnp.float32)
     f = jaxfp8.ragged_w8a8_block_fp8_matmul
   else:
     a = jax.ShapeDtypeStruct((e, rows, k), F8)
-    s = jax.ShapeDtypeStruct((e, k // 128, -(-rows // 4) * 4), jnp.float32)
+    s = jax.ShapeDtypeStruct((e, k // gk, -(-rows // 4) * 4), jnp.float32)
     f = jaxfp8.masked_w8a8_block_fp8_matmul
   structs = [a, jax.ShapeDtypeStruct((e, n, k), F8), s,
-             jax.ShapeDtypeStruct((e, -(-n // 128), k // 128), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.int32)]
-  call = functools.partial(f, block_size=(128, 128), a_s_column_major=True, out_dtype=out_dtype,
+             jax.ShapeDtypeStruct((e, -(-n // gn), k // gk), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.int32)]
+  call = functools.partial(f, block_size=block_size, a_s_column_major=True, out_dtype=out_dtype,
                            implementation="mosaic", config=config)
   with _platform.abstract_h200():
-    plan = grouped.plan_for(a, structs[1], (128, 128), out_dtype=out_dtype, a_s_column_major=True,
+    plan = grouped.plan_for(a, structs[1], block_size, out_dtype=out_dtype, a_s_column_major=True,
                             implementation="mosaic", config=config)
     assert plan.implementation == "mosaic", plan
     exported = jax.export.export(jax.jit(call), platforms=["cuda"])(*structs)
@@ -663,6 +699,18 @@ def test_column_tails_lower_for_cuda(layout, rows):
 
 
 @needs_mosaic
+@pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)
+@pytest.mark.parametrize("layout,rows", [("ragged", 8), ("ragged", 4096), ("masked", 64)])
+def test_block_sizes_lower_for_cuda(block_size, layout, rows):
+  """The default schedules with blocks of 64 (sub-tiles of 64 columns where gn = 64), K an odd number of 64-wide
+  blocks where gk = 64, N a multiple of 64 and not of 128."""
+  k = 7168 + 64 if block_size[1] == 64 else 7168
+  plan = _lower(layout, 32, rows, 4096 + 64, k, jnp.bfloat16, block_size=block_size)
+  assert (plan.config.block_n, plan.config.block_k) == block_size
+  assert plan.config.block_n % plan.config.sub_n == 0 and not plan.config.scales_per_column, plan.config
+
+
+@needs_mosaic
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_config_kinds_lower_for_cuda(kind):
   config = dataclasses.replace(KINDS[kind], grid_size=None, max_concurrent_steps=4)
@@ -690,7 +738,8 @@ def test_plans_say_why():
     ragged = grouped.plan(grouped.problem("ragged", 128, 8, 1536, 2048, (128, 128)), implementation="mosaic")
     assert not ragged.config.persistent and not ragged.config.live_grid and "decode" in str(ragged), str(ragged)
     assert not prefill.config.live_grid
-    assert odd.implementation == "xla" and "block_size=(128, 128) only" in str(odd)
+    # block sizes of 64 run on the kernel when named, not yet by default
+    assert odd.implementation == "xla" and "not yet measured on an H200" in str(odd), str(odd)
 
 
 @pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="needs jax.experimental.pallas.mosaic_gpu")
@@ -771,10 +820,11 @@ def test_masked_errors_name_the_argument():
 
 def test_mosaic_refuses_what_it_cannot_run():
   args = _good_ragged()
-  with pytest.raises(ValueError, match=r"implementation='mosaic' cannot run .* block_size=\(128, 128\) only"):
-    jaxfp8.ragged_w8a8_block_fp8_matmul(**{**args, "a_s": jnp.ones((8, 4), jnp.float32),
-                                           "b_s": jnp.ones((2, 2, 4), jnp.float32)},
-                                        block_size=(64, 64), implementation="mosaic")
+  with pytest.raises(ValueError, match=r"implementation='mosaic' cannot run .* block sizes of 64 or 128, got "
+                                       r"\(32, 32\)"):
+    jaxfp8.ragged_w8a8_block_fp8_matmul(**{**args, "a_s": jnp.ones((8, 8), jnp.float32),
+                                           "b_s": jnp.ones((2, 4, 8), jnp.float32)},
+                                        block_size=(32, 32), implementation="mosaic")
   if MOSAIC_GEMM_IMPORTABLE:
     with pytest.raises(ValueError, match="the grouped kernel does not build CTA clusters"):
       jaxfp8.ragged_w8a8_block_fp8_matmul(**args, block_size=(128, 128), implementation="mosaic",
@@ -931,6 +981,28 @@ def test_gpu_masked_live_grid_is_the_per_tile_grid_bit_for_bit(shape, routed, ze
   np.testing.assert_array_equal(outs[0][owned], outs[1][owned])
   if zero_unowned_rows:
     assert not outs[0][~owned].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)
+@pytest.mark.parametrize("layout,rows", [("ragged", 8), ("ragged", 1200), ("masked", 64)])
+def test_gpu_block_sizes(block_size, layout, rows):
+  """Blocks of 64 on the default schedules (decode and prefill): 8 experts of N = 1088 (a multiple of 64, not of
+  128), K an odd number of 64-wide blocks where gk = 64, the scales spread over 12 binades, every row against the
+  float64 reference."""
+  rng = np.random.default_rng(rows + block_size[0] + 2 * block_size[1])
+  e, n, k = 8, 1088, 1088 if block_size[1] == 64 else 1152
+  if layout == "ragged":
+    case = _ragged_case(rng, rng.multinomial(rows - 3, np.full(e, 1.0 / e)), rows, n, k, block_size,
+                        column_major=True)
+    call = jaxfp8.ragged_w8a8_block_fp8_matmul
+  else:
+    case = _masked_case(rng, rng.integers(0, rows + 1, e), rows, n, k, block_size, column_major=True)
+    call = jaxfp8.masked_w8a8_block_fp8_matmul
+  args, expect = _block_spread(rng, case[0], layout, block_size, True)
+  out = call(*args, block_size, a_s_column_major=True, out_dtype=jnp.bfloat16, implementation="mosaic")
+  _check(out, expect, jnp.bfloat16)
 
 
 @pytest.mark.gpu

@@ -4,8 +4,8 @@
 
 It validates its arguments once, asks `planner.plan` for the implementation and kernel config, and runs the plan.
 Implementations:
-  "mosaic": Pallas Mosaic GPU kernel for Hopper (pallas_kernels/gemm_mosaic.py); block (128, 128), N and K multiples
-            of 128, any M.
+  "mosaic": Pallas Mosaic GPU kernel for Hopper (pallas_kernels/gemm_mosaic.py); gn and gk each 64 or 128 (the
+            default dispatch takes (128, 128)), N a multiple of 8, K of gk, any M.
   "triton": Pallas Triton-lowered kernel for any sm >= 8.9 GPU (pallas_kernels/gemm_triton.py); any M, N, K and gn,
             gk a multiple of 32 (its fp8 dots are 32 to 128 wide in K and never straddle two scale groups).
   "xla":    jnp, any platform (jaxfp8/gemm/xla.py).

@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 
 KERNEL_MODULE = "pallas_kernels.gemm_mosaic"
 CONFIG_CLASS = "MosaicGemmConfig"
-BLOCK = 128       # the only scale block the kernel implements (DeepSeek-V3's)
+BLOCK = 128       # DeepSeek-V3's and Qwen3's scale block, the one the schedules below were measured on
+BLOCK_SIZES = (64, 128)  # the gn and gk the kernel takes (`MosaicGemmConfig.block_n`, `block_k`)
+# The block sizes the default dispatch sends to this kernel; the others run when named (implementation="mosaic")
+# until they are measured on an H200 (WORKSPACE.md, what to measure next).
+DEFAULT_BLOCK_SIZES = ((BLOCK, BLOCK),)
 WGMMA_M = 64      # rows of one wgmma: the decode row tile
 # Below one decode tile of rows, the linear's quantizer pads the activations to the whole tile, which the GEMM reads
 # faster than it has TMA fill the missing rows with zeros (H200: 38.6 vs 43.4 us at M=16 N=7168 K=18432, 46.3 vs
@@ -237,6 +241,8 @@ COLUMN_TAIL_MIN_TILES = 40
 
 def not_default(problem) -> str | None:
   """Why the default dispatch passes over this kernel for a problem it can run (None: it does not)."""
+  if why := not_default_block_size(problem.block_size):
+    return why
   if problem.n % BLOCK:
     tiles = cdiv(problem.m, 128) * cdiv(problem.n, BLOCK)
     if tiles < COLUMN_TAIL_MIN_TILES:
@@ -245,10 +251,37 @@ def not_default(problem) -> str | None:
   return None
 
 
+def block_size_problem(block_size) -> str | None:
+  """Why the Mosaic kernels cannot take this (gn, gk) (None: they can)."""
+  if not all(b in BLOCK_SIZES for b in block_size):
+    return f"it implements block sizes of {' or '.join(map(str, BLOCK_SIZES))}, got {tuple(block_size)}"
+  return None
+
+
+def not_default_block_size(block_size) -> str | None:
+  """Why the default dispatch passes over the Mosaic kernels for this block size they can run (None: it does not)."""
+  if tuple(block_size) not in DEFAULT_BLOCK_SIZES:
+    return f"block_size={tuple(block_size)} is not yet measured on an H200 (run it with implementation='mosaic')"
+  return None
+
+
+def with_block_size(config, block_size):
+  """config for a problem of this (gn, gk): its block fields set, and where its sub-tiles are wider than gn, sub-tiles
+  of gn columns (one weight scale each, as the schedules had with 128-column blocks). Any other config field is
+  kept; `MosaicGemmConfig` refuses what no kernel could build."""
+  gn, gk = block_size
+  if (config.block_n, config.block_k) == (gn, gk):
+    return config
+  sub_tile_n = config.sub_tile_n
+  if config.sub_n > gn and config.wg_tile[1] % gn == 0:
+    sub_tile_n = gn
+  return dataclasses.replace(config, block_n=gn, block_k=gk, sub_tile_n=sub_tile_n)
+
+
 def unsupported(problem) -> str | None:
-  if tuple(problem.block_size) != (BLOCK, BLOCK):
-    return f"it implements block_size=(128, 128) only, got {tuple(problem.block_size)}"
-  return "; ".join(_kernel().shape_problems(problem.n, problem.k)) or None
+  if why := block_size_problem(problem.block_size):
+    return why
+  return "; ".join(_kernel().shape_problems(problem.n, problem.k, problem.block_size[1])) or None
 
 
 def row_alignment(m: int) -> tuple[int, str]:
@@ -325,17 +358,19 @@ def default_config_for(problem, device: _platform.Device):
                        + why_split)
   if split and (found := measured_entry(problem.rows, problem.n, problem.k, device.kind, device.num_sms)) is not None:
     name, measured_m, entry = found
-    return _fit_smem(entry_config(entry), problem.out_dtype, problem.k), (
+    return _fit_smem(with_block_size(entry_config(entry), problem.block_size), problem.out_dtype, problem.k), (
         f"measured fastest on {device.describe()} at M={measured_m} (table {name}, taken for M in "
         f"{m_bucket(measured_m) - WGMMA_M + 1}..{m_bucket(measured_m)}): {entry['us']} us where the heuristic's "
         f"schedule took {entry['heuristic_us']}")
   config = default_config(problem.rows, problem.n, problem.k, problem.out_dtype, num_sms=device.num_sms,
                           register_split=split)
   kind = "decode" if problem.rows <= 2 * WGMMA_M and config.tile_m == WGMMA_M else "prefill"
-  return config, f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs" + why_split
+  return with_block_size(config, problem.block_size), (
+      f"the {kind} schedule for a_q of {problem.rows} rows on {device.num_sms} SMs{why_split}")
 
 
 def config_problem(problem, config) -> str | None:
+  config = with_block_size(config, problem.block_size)
   return "; ".join(_kernel().config_problems(config, problem.n, problem.out_dtype, live_rows=problem.masked)) or None
 
 
@@ -353,7 +388,8 @@ def _column_major_scales(a_s, problem):
 def launch(a_q, b_q, a_s, b_s, bias, problem, config, interpret: bool, device: _platform.Device, live_rows=None):
   interpret_kwargs = {"interpret": True} if interpret else {}
   return _kernel().block_fp8_matmul(
-      a_q, b_q, _column_major_scales(a_s, problem), b_s, out_dtype=problem.out_dtype, bias=bias, config=config,
+      a_q, b_q, _column_major_scales(a_s, problem), b_s, out_dtype=problem.out_dtype, bias=bias,
+      config=with_block_size(config, problem.block_size),
       num_sms=device.num_sms, out_rows=problem.m if problem.m != problem.rows else None, live_rows=live_rows,
       **interpret_kwargs)
 

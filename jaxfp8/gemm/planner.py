@@ -91,8 +91,8 @@ def _default(p: GemmProblem, device: _platform.Device, interpret: bool) -> tuple
     if mosaic_why is None and (passed_over := mosaic.not_default(p)) and triton_why is None:
       return "triton", f"Hopper GPU {device.describe()}, but {passed_over}: the portable Triton kernel"
     if mosaic_why is None:
-      return "mosaic", (f"Hopper GPU {device.describe()}, K a multiple of 128, block_size (128, 128): the "
-                        "Mosaic GPU kernel")
+      return "mosaic", (f"Hopper GPU {device.describe()}, K a multiple of {p.block_size[1]}, block_size "
+                        f"{tuple(p.block_size)}: the Mosaic GPU kernel")
     if triton_why is None:
       return "triton", (f"Hopper GPU {device.describe()}, but the Mosaic kernel cannot take this problem "
                         f"({mosaic_why}): the portable Triton kernel")

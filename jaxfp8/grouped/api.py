@@ -5,8 +5,8 @@
 
 Each validates its arguments once, asks `planner.plan` for the implementation and kernel config, and runs the plan.
 group_sizes and masked_m are traced arrays: routing changes never recompile. Implementations:
-  "mosaic": Pallas Mosaic GPU kernel for Hopper (pallas_kernels/grouped_gemm_mosaic.py); block (128, 128), N and K
-            multiples of 128.
+  "mosaic": Pallas Mosaic GPU kernel for Hopper (pallas_kernels/grouped_gemm_mosaic.py); gn and gk each 64 or 128
+            (the default dispatch takes (128, 128)), N a multiple of 8, K of gk.
   "xla":    jnp (a loop over the experts that hold rows, per row tile the dense XLA GEMM), any platform
             (jaxfp8/grouped/xla.py).
 """

@@ -145,23 +145,30 @@ def unavailable(device: _platform.Device, interpret: bool) -> str | None:
 
 
 def unsupported(problem) -> str | None:
-  if tuple(problem.block_size) != (BLOCK, BLOCK):
-    return f"it implements block_size=(128, 128) only, got {tuple(problem.block_size)}"
+  if why := dense.block_size_problem(problem.block_size):
+    return why
   problems = []
   if problem.n % 8:
     problems.append(f"N={problem.n} must be a multiple of 8 (the output rows' TMA stride)")
-  if problem.k % BLOCK:
-    problems.append(f"K={problem.k} must be a multiple of {BLOCK}")
+  if problem.k % problem.block_size[1]:
+    problems.append(f"K={problem.k} must be a multiple of {problem.block_size[1]}")
   return "; ".join(problems) or None
+
+
+def not_default(problem) -> str | None:
+  """Why the default dispatch passes over this kernel for a problem it can run (None: it does not)."""
+  return dense.not_default_block_size(problem.block_size)
 
 
 def default_config_for(problem, device: _platform.Device):
   config, why = default_config(problem, device.num_sms)
   kind = "prefill" if config.persistent and not config.live_grid else "decode"
+  config = fit_smem(dense.with_block_size(config, problem.block_size), problem.out_dtype, problem.k)
   return config, f"the {kind} schedule on {device.num_sms} SMs: {why}"
 
 
 def config_problem(problem, config) -> str | None:
+  config = dense.with_block_size(config, problem.block_size)
   return "; ".join(_kernel().config_problems(config, problem.n, problem.out_dtype)) or None
 
 
@@ -208,8 +215,8 @@ def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device:
   f = K.ragged_block_fp8_matmul if problem.layout == "ragged" else K.masked_block_fp8_matmul
   items = counts if prepared else None
   return f(a_q, b_q, _column_major(a_s, problem.rows, problem.a_s_column_major), b_s, None if prepared else counts,
-           out_dtype=problem.out_dtype, config=config, num_sms=device.num_sms,
-           zero_unowned_rows=problem.zero_unowned_rows, items=items, interpret=interpret)
+           out_dtype=problem.out_dtype, config=dense.with_block_size(config, problem.block_size),
+           num_sms=device.num_sms, zero_unowned_rows=problem.zero_unowned_rows, items=items, interpret=interpret)
 
 
 # ---- gate_up with the SiLU-and-mul quantizer in its epilogue (the MoE layer's) ---------------------------------------

@@ -79,10 +79,10 @@ def _default(p: GroupedProblem, device: _platform.Device, interpret: bool) -> tu
   if device.capability is None:
     return "xla", f"no NVIDIA GPU (device {device.describe()}): XLA"
   if device.is_hopper:
-    why = mosaic.unavailable(device, interpret) or mosaic.unsupported(p)
+    why = mosaic.unavailable(device, interpret) or mosaic.unsupported(p) or mosaic.not_default(p)
     if why is None:
-      return "mosaic", (f"Hopper GPU {device.describe()}, N a multiple of 8, K of 128, block_size (128, 128): "
-                        "the Mosaic GPU kernel")
+      return "mosaic", (f"Hopper GPU {device.describe()}, N a multiple of 8, K of {p.block_size[1]}, block_size "
+                        f"{tuple(p.block_size)}: the Mosaic GPU kernel")
     return "xla", f"Hopper GPU {device.describe()}, but the Mosaic kernel cannot take this problem ({why}): XLA"
   return "xla", f"GPU {device.describe()} is not a Hopper GPU (the only grouped kernel is Mosaic GPU's): XLA"
 
