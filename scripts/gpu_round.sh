@@ -36,6 +36,9 @@
 #                 dot in bf16, our dense GEMM at the same rows, each problem's floor; GROUPED_BENCH_ARGS overrides;
 #                 stops between shapes at 420 s). The GPU tests single-process: 18 of 24 in 70 s; an earlier version
 #                 of the bench aborted in ptxas (WORKSPACE.md)
+#   grouped-blocks  block sizes of 64 on the Mosaic GEMMs: their GPU tests (dense and grouped), the grouped bench at
+#                 --block_size=64,64 and 128,64, and a sweep of the grouped decode schedules in 64- and 32-column tiles
+#                 beside the planner's at R = 8 and 64 (--gemm_configs). Not yet run
 #   moe           tests/test_moe.py and tests/test_moe_hardening.py on the GPU (the layer on the real kernels against
 #                 the reference; eager and jit bit-identical), then
 #                 python -m jaxfp8 bench --ops=moe: the MoE layer step by step (route, sort, quantize, permute,
@@ -164,6 +167,21 @@ for phase in "${phases[@]}"; do
                --junitxml="$out/tests_grouped.junit.xml"
              run bench_grouped python3 -m jaxfp8 bench --ops=grouped ${GROUPED_BENCH_ARGS:---time_budget_s=420} \
                --out="$out/grouped_h200.json" ;;
+    grouped-blocks)
+      # block sizes of 64 on both Mosaic GEMMs (tests), the grouped decode schedules in narrower column tiles beside
+      # the planner's at R = 8 and 64, and the grouped GEMM at block sizes of 64
+      run tests_block_sizes python3 -m pytest tests/test_grouped.py tests/test_gemm_mosaic.py -k gpu_block_sizes \
+        -n 4 "${parallel_args[@]}" --junitxml="$out/tests_block_sizes.junit.xml"
+      decode="max_concurrent_steps=6,k_blocks_per_step=2,num_compute_wgs=1,weight_scales_ahead=True"
+      run bench_grouped_decode python3 -m jaxfp8 bench --ops=grouped --routed_rows=8,64 --seed=0 \
+        --expert_shapes="qwen3_30b_a3b.gate_up;qwen3_30b_a3b.down;dsv3_ep8.gate_up;dsv3_ep8.down;qwen3_235b_a22b_ep8.gate_up" \
+        --implementations=mosaic,masked_mosaic --time_budget_s=240 --out="$out/grouped_decode_sweep_h200.json" \
+        --gemm_configs="mosaic:tile_m=64,tile_n=64,persistent=False,$decode;mosaic:tile_m=64,tile_n=32,persistent=False,$decode;masked_mosaic:tile_m=64,tile_n=64,live_grid=True,$decode"
+      for bs in 64,64 128,64; do
+        run "bench_grouped_block_${bs/,/x}" python3 -m jaxfp8 bench --ops=grouped --block_size=$bs --seed=0 \
+          --expert_shapes="dsv3_ep8.gate_up;qwen3_30b_a3b.down" --routed_rows=8,4096 --implementations=mosaic \
+          --time_budget_s=80 --out="$out/grouped_block_${bs/,/x}_h200.json"
+      done ;;
     moe) run tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py tests/test_gather_rows.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
          run bench_moe python3 -m jaxfp8 bench --ops=moe ${MOE_BENCH_ARGS:---time_budget_s=420} \
            --out="$out/moe_h200.json" ;;
