@@ -11,10 +11,18 @@ from __future__ import annotations
 import os
 import zlib
 
+import jax
 import numpy as np
 import pytest
 
 from jaxfp8 import _platform
+
+# CPU computations run inline in the calling thread. With XLA's asynchronous dispatch an interpreted Mosaic GPU
+# kernel's computation can still be running when the test's next eager op is dispatched: the kernel's callbacks
+# (barrier and copy waits, which run eager jax ops themselves) and that op then wait on each other for XLA's CPU
+# thread pool (one thread per CPU) and the process hangs (tests/test_moe.py's router right after an interpreted
+# layer, 1 run in 3 on 2 busy CPUs; and a CTA of 4 interpreted warpgroups before).
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 BASE_SEED = int(os.environ.setdefault("JAXFP8_TEST_SEED", str(np.random.SeedSequence().entropy % (2**32))))
 
