@@ -21,7 +21,8 @@ from jaxfp8 import _platform
 # kernel's computation can still be running when the test's next eager op is dispatched: the kernel's callbacks
 # (barrier and copy waits, which run eager jax ops themselves) and that op then wait on each other for XLA's CPU
 # thread pool (one thread per CPU) and the process hangs (tests/test_moe.py's router right after an interpreted
-# layer, 1 run in 3 on 2 busy CPUs; and a CTA of 4 interpreted warpgroups before).
+# layer, 1 run in 3 on 2 busy CPUs). A CTA of 4 interpreted warpgroups still hangs on 2 CPUs with it: each
+# warpgroup's computation waits to run while two others block in barrier waits (tests/test_gemm_mosaic.py skips those).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 BASE_SEED = int(os.environ.setdefault("JAXFP8_TEST_SEED", str(np.random.SeedSequence().entropy % (2**32))))
