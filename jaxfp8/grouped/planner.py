@@ -79,7 +79,9 @@ def _default(p: GroupedProblem, device: _platform.Device, interpret: bool) -> tu
   if device.capability is None:
     return "xla", f"no NVIDIA GPU (device {device.describe()}): XLA"
   if device.is_hopper:
-    why = mosaic.unavailable(device, interpret) or mosaic.unsupported(p) or mosaic.not_default(p)
+    why = mosaic.unavailable(device, interpret) or mosaic.unsupported(p)
+    if why is None and (passed_over := mosaic.not_default(p)):
+      return "xla", f"Hopper GPU {device.describe()}, but {passed_over}: XLA"
     if why is None:
       return "mosaic", (f"Hopper GPU {device.describe()}, N a multiple of 8, K of {p.block_size[1]}, block_size "
                         f"{tuple(p.block_size)}: the Mosaic GPU kernel")
