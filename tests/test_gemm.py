@@ -261,21 +261,23 @@ def test_out_rows_is_validated(out_rows):
 
 # ---- valid_rows: a traced live-row count ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("implementation, m, rows, column_major, bias", [
-    ("xla", 150, 150, False, True),
-    ("xla", 37, 64, True, False),
-    ("triton", 70, 70, True, True),
-    ("mosaic", 150, 160, True, True),   # padding rows past out_rows, a bias (added to the live rows only)
-    ("mosaic", 130, 130, False, False),
+@pytest.mark.parametrize("implementation, m, rows, column_major, bias, block_size", [
+    ("xla", 150, 150, False, True, (128, 128)),
+    ("xla", 37, 64, True, False, (128, 128)),
+    ("triton", 70, 70, True, True, (128, 128)),
+    ("mosaic", 150, 160, True, True, (128, 128)),   # padding rows past out_rows, a bias (added to the live rows only)
+    ("mosaic", 130, 130, False, False, (128, 128)),
+    ("mosaic", 130, 130, True, True, (64, 64)),     # the kernel's blocks of 64 (named: not yet the default)
 ])
-def test_valid_rows_zeroes_the_rows_past_it_with_one_compile(rng, implementation, m, rows, column_major, bias):
+def test_valid_rows_zeroes_the_rows_past_it_with_one_compile(rng, implementation, m, rows, column_major, bias,
+                                                             block_size):
   """One jitted call for every count: live rows match the reference, the rest are exactly 0 although their codes and
   scales are NaN (poison a skipped tile would leak; the bias must not reach them either)."""
   if implementation == "mosaic" and not helpers.MOSAIC_GEMM_IMPORTABLE:
     pytest.skip("pallas_kernels.gemm_mosaic not importable")
   n, k = (256, 384) if implementation == "mosaic" else (200, 300)
   config = {"triton": _cfg(16, 64, 128), "mosaic": helpers.mosaic_interpret_config()}.get(implementation)
-  problem = make_problem(rng, m, n, k, (128, 128), column_major=column_major, bias=bias)
+  problem = make_problem(rng, m, n, k, block_size, column_major=column_major, bias=bias)
   expected = problem.reference()
   a_q, a_s = _padded_with_poison(problem, rows) if rows > m else (problem.a_q, problem.a_s_arg)
   a_q, a_s = np.array(a_q), np.array(a_s)
@@ -284,7 +286,7 @@ def test_valid_rows_zeroes_the_rows_past_it_with_one_compile(rng, implementation
   @jax.jit
   def f(a_q, a_s, valid_rows):
     traces.append(1)
-    return w8a8_block_fp8_matmul(a_q, problem.b_q, a_s, problem.b_s, (128, 128), a_s_column_major=column_major,
+    return w8a8_block_fp8_matmul(a_q, problem.b_q, a_s, problem.b_s, block_size, a_s_column_major=column_major,
                                  bias=problem.bias, out_dtype=F32, implementation=implementation, config=config,
                                  out_rows=m if rows > m else None, valid_rows=valid_rows, interpret=True)
 
