@@ -596,3 +596,29 @@ def test_mosaic_table_from_sweep_keeps_the_winners_by_more_than_2_percent():
   config = mosaic.entry_config(entry)
   assert (config.tile_m, config.tile_n, config.k_blocks_per_step, config.wg_split.name) == (128, 128, 2, "M")
   assert entry["config"]["warp_specialized"] is True and "grid_size" in entry["config"]
+
+
+@pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="the Mosaic GEMM's row alignment reads its kernel module")
+def test_gemm_bench_gives_mosaic_the_quantizers_row_padded_buffers(monkeypatch):
+  """Where the Mosaic GEMM's row alignment pads (below 64 rows a whole decode tile, M % 8 != 0 to a multiple of 8),
+  its contender reads the quantizer's padded buffers with out_rows=M, as jaxfp8.linear calls it; elsewhere the rows
+  as they are. The launcher then copies nothing."""
+  seen = []
+
+  def contender(name, block_size, out_rows=None, config=None):
+    def fn(a_q, b_q, a_s, b_s):
+      seen.append((a_q.shape[0], a_s.shape[1], out_rows))
+      return jnp.zeros((out_rows or a_q.shape[0], b_q.shape[0]), jnp.float32)
+    return fn
+
+  monkeypatch.setattr(bench_gemm, "jax_contender", contender)
+  b_q, b_s = bench_gemm.make_weight(jax.random.key(0), 256, 256, (128, 128))
+  for m, rows in ((7, 64), (100, 104), (511, 512), (128, 128)):
+    a_q, a_s = bench_gemm.make_activation(jax.random.key(m), m, 256, 128)
+    records = []
+    seen.clear()
+    bench_gemm._time_jax("mosaic", contender("mosaic", (128, 128)), [(a_q, b_q, a_s, b_s)], (128, 128),
+                         (np.zeros((1, 8)), [0], np.arange(8)), 1, lambda name, **kw: records.append(kw),
+                         lambda fn, arg_sets, iterations: (fn(*arg_sets[0]), 1.0)[1])
+    assert seen and set(seen) == {(rows, rows, m if rows > m else None)}, (m, seen)
+    assert (rows > m) == (f"{rows}-row buffers" in (records[0].get("note") or "")), (m, records)

@@ -4,8 +4,9 @@ On a GPU the times are CUPTI kernel times; `run` takes another timer (bench's wa
 
 Contenders (names for `implementations`):
   "triton", "mosaic", "xla": `w8a8_block_fp8_matmul` with that implementation (the config table or heuristic).
-                   Below 64 rows "mosaic" reads the quantizer's 64-row decode buffers with out_rows=M, the way
-                   `jaxfp8.linear` calls it (the row's note says so).
+                   "mosaic" reads the quantizer's row-padded buffers with out_rows=M where `gemm.mosaic.row_alignment`
+                   pads (below 64 rows a whole decode tile; an M % 8 != 0 to a multiple of 8, the rows of a_q's
+                   tiled TMA view), the way `jaxfp8.linear` calls it (the row's note says so).
   "dequant_bf16":  BASELINE, XLA dequantize-to-bf16 then dot: what JAX users do today.
   "fp8_per_tensor": BASELINE, XLA fp8 `dot_general` with per-tensor scales (cuBLASLt FP8): the library ceiling without
                    block scales. It computes a coarser quantization, so its output is not checked.
@@ -93,9 +94,9 @@ def make_activation(key, m: int, k: int, gk: int):
 
 
 def decode_tile_buffers(a_q, b_q, a_s_col, b_s, rows: int = gemm.mosaic.DECODE_ROWS):
-  """The arguments with the activations as the quantizer's buffers padded to `rows` rows (row_alignment=64): zero
-  codes and scale 1.0 past M, which is what the Mosaic contender reads below 64 rows (with out_rows=M), as
-  `jaxfp8.linear` hands them to it."""
+  """The arguments with the activations as the quantizer's buffers padded to `rows` rows (its row_alignment): zero
+  codes and scale 1.0 past M, which is what the Mosaic contender reads (with out_rows=M) where the GEMM's row
+  alignment pads, as `jaxfp8.linear` hands them to it."""
   a_q = jnp.pad(a_q, ((0, rows - a_q.shape[0]), (0, 0)))
   a_s_col = jnp.pad(a_s_col, ((0, 0), (0, rows - a_s_col.shape[1])), constant_values=1.0)
   return a_q, b_q, a_s_col, b_s
@@ -310,10 +311,12 @@ def _time_jax(name: str, fn: Callable, arg_sets: list[tuple], block_size, sample
   expected, sample_rows, cols = sample
   m = arg_sets[0][0].shape[0]
   note = None
-  if name.split("[")[0] == "mosaic" and m < gemm.mosaic.DECODE_ROWS:
+  align = gemm.mosaic.row_alignment(m)[0] if name.split("[")[0] == "mosaic" else 1
+  if align > 1:
+    rows = -(-m // align) * align
     fn = jax_contender(name, block_size, out_rows=m, config=config)
-    arg_sets = [decode_tile_buffers(*arg_set) for arg_set in arg_sets]
-    note = f"the quantizer's {gemm.mosaic.DECODE_ROWS}-row decode buffers, out_rows=M (as jaxfp8.linear calls it)"
+    arg_sets = [decode_tile_buffers(*arg_set, rows=rows) for arg_set in arg_sets]
+    note = f"the quantizer's {rows}-row buffers (row_alignment={align}), out_rows=M (as jaxfp8.linear calls it)"
   try:
     out = np.asarray(jax.block_until_ready(fn(*arg_sets[0]))).astype(np.float32)
     err = None if name == "fp8_per_tensor" else ref.relative_error(out[np.ix_(sample_rows, cols)], expected)
