@@ -503,7 +503,7 @@ def _block_spread(rng, args, layout, block_size, column_major):
 
 @needs_mosaic
 @pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)
-@pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_n_64x256", "ws2_m_128x128_k2"])
+@pytest.mark.parametrize("kind", ["ws1_64x128_k2_ahead", "ws2_n_64x256", "ws2_m_128x128_k2", "ws1_64x128_live_grid"])
 def test_mosaic_block_sizes_interpreted(rng, block_size, kind):
   """Block sizes of 64: a weight scale per 64 columns (a 128-column sub-tile promoted as two of 64), activation and
   weight scales per 64 K (64-byte swizzled K blocks), K not a multiple of 128 where gk = 64, a partial last column
