@@ -326,14 +326,16 @@ def test_any_m(rng):
 
 # (gn, gk) the kernel takes besides DeepSeek-V3's (128, 128) (docs/CONTRACT.md §2), and the structures they are
 # interpreted on with the N each is run at: one CTA per tile with two K blocks per step and scales ahead, two
-# consumers side by side along N on a persistent grid, the simple kernel, two K blocks with 16-column stores, and
-# 56-column tiles that scale per column (a tile meets two blocks of 64 at several offsets).
+# consumers side by side along N on a persistent grid, the simple kernel, two K blocks with 16-column stores,
+# 56-column tiles that scale per column (a tile meets two blocks of 64 at several offsets), and 80-column ones.
 OTHER_BLOCK_SIZES = [(64, 64), (128, 64), (64, 128)]
 BLOCK_SIZE_KINDS = {"ws1_64x128_k2_ahead": (KINDS["ws1_64x128_k2_ahead"], 200),
                     "ws2_n_128x256": (KINDS["ws2_n_128x256"], 200),
                     "simple_64x128_k2": (KINDS["simple_64x128_k2"], 200),
                     "ws2_m_128x128_k2_epi16": (KINDS["ws2_m_128x128_k2_epi16"], 200),
-                    "ws1_64x56_f32": (COLUMN_KINDS["ws1_64x56_f32"][0], 896)}
+                    "ws1_64x56_f32": (COLUMN_KINDS["ws1_64x56_f32"][0], 896),
+                    # 80-column sub-tiles: wider than gn = 64 and not a multiple of it, the backend narrows them
+                    "ws2_m_128x80": (COLUMN_KINDS["ws2_m_128x80"][0], 640)}
 
 
 def _blocked_problem(rng, m: int, n: int, k: int, block_size, decades: float = 2.0):
@@ -365,6 +367,18 @@ def test_block_sizes(rng, block_size, kind):
   out = np.asarray(out)
   assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output elements"
   assert ref.relative_error(out, ref.cast_output(expect, jnp.float32)) <= 2e-4
+
+
+def test_every_config_takes_every_block_size():
+  """The backend fits any config to a block size: sub-tiles wider than gn narrowed to the widest that splits the
+  warpgroup's columns (a config no kernel could build would raise here), every other field kept."""
+  configs = [*KINDS.values(), *DEEP_KINDS.values(), *(config for config, *_ in COLUMN_KINDS.values())]
+  for config in configs:
+    for block_size in OTHER_BLOCK_SIZES:
+      fitted = mosaic_backend.with_block_size(config, block_size)
+      assert (fitted.block_n, fitted.block_k) == block_size
+      assert fitted.sub_n == config.sub_n if config.sub_n <= block_size[0] else fitted.sub_n <= block_size[0]
+      assert dataclasses.replace(fitted, block_n=128, block_k=128, sub_tile_n=config.sub_tile_n) == config
 
 
 @pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)

@@ -266,15 +266,17 @@ def not_default_block_size(block_size) -> str | None:
 
 
 def with_block_size(config, block_size):
-  """config for a problem of this (gn, gk): its block fields set, and where its sub-tiles are wider than gn, sub-tiles
-  of gn columns (one weight scale each, as the schedules had with 128-column blocks). Any other config field is
-  kept; `MosaicGemmConfig` refuses what no kernel could build."""
+  """config for a problem of this (gn, gk): its block fields set, and where its sub-tiles are wider than gn, the
+  widest sub-tiles of at most gn columns that split the warpgroup's (gn itself where it does: one weight scale each,
+  as the schedules had with 128-column blocks; else a width that meets at most two blocks, scaled per column). Any
+  other config field is kept."""
   gn, gk = block_size
   if (config.block_n, config.block_k) == (gn, gk):
     return config
   sub_tile_n = config.sub_tile_n
-  if config.sub_n > gn and config.wg_tile[1] % gn == 0:
-    sub_tile_n = gn
+  wg_n = config.wg_tile[1]
+  if config.sub_n > gn:
+    sub_tile_n = max(w for w in range(8, gn + 1, 8) if wg_n % w == 0 and _kernel().MAX_SUB_N % w == 0)
   return dataclasses.replace(config, block_n=gn, block_k=gk, sub_tile_n=sub_tile_n)
 
 
