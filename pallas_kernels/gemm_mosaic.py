@@ -74,10 +74,10 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from .gemm_mosaic_common import (BLOCK, MAX_SUB_N, SMEM_BYTES, TMA_ROW_TILE, WGMMA_M, Dim, MosaicGemmConfig,
-                                 common_problems, epilogue_slot_bytes, fit_smem, in_specs, initial_carry, kernel_grid,
-                                 live_rows_only, pad_rows_for_tma, scaled_mma_step, store_subtiles,
-                                 store_zero_subtiles, tile_loop, warp_specialized)
+from .gemm_mosaic_common import (BLOCK, BLOCK_SIZES, MAX_SUB_N, SMEM_BYTES, TMA_ROW_TILE, WGMMA_M, Dim,
+                                 MosaicGemmConfig, common_problems, epilogue_slot_bytes, fit_smem, in_specs,
+                                 initial_carry, kernel_grid, live_rows_only, pad_rows_for_tma, scaled_mma_step,
+                                 store_subtiles, store_zero_subtiles, tile_loop, warp_specialized)
 
 
 def _epilogue_smem(num_wgs: int, out_dtype, epi_n: int):
@@ -325,5 +325,5 @@ def block_fp8_matmul(
   return f(*args)
 
 
-__all__ = ["BLOCK", "MAX_SUB_N", "WGMMA_M", "SMEM_BYTES", "TMA_ROW_TILE", "Dim", "MosaicGemmConfig", "block_fp8_matmul",
-           "config_problems", "shape_problems", "tma_rows_ok", "epilogue_slot_bytes", "fit_smem"]
+__all__ = ["BLOCK", "BLOCK_SIZES", "MAX_SUB_N", "WGMMA_M", "SMEM_BYTES", "TMA_ROW_TILE", "Dim", "MosaicGemmConfig",
+           "block_fp8_matmul", "config_problems", "shape_problems", "tma_rows_ok", "epilogue_slot_bytes", "fit_smem"]

@@ -32,17 +32,16 @@ BLOCK_SIZES = (64, 128)  # the gn and gk the kernels take
 MAX_SUB_N = 128  # columns of the widest sub-tile (one wgmma and its fresh accumulator)
 WGMMA_M = 64  # rows of one wgmma (and of one sub-tile)
 SMEM_BYTES = 232448  # per-block shared memory on H100/H200 (227 KiB)
+# Mosaic GPU describes the TMA of a swizzled (8, 128)-tiled SMEM tile as a copy from an (8, 128)-tiled view of the
+# whole GMEM array, which exists only when the array's row count is a multiple of 8 or below 8.
+TMA_ROW_TILE = 8
+PRODUCER_REGISTERS = 40  # the TMA warpgroup issues copies only
 
 
 def fp8_transforms(block_k: int) -> tuple:
   """The SMEM layout of FP8 operand tiles whose K blocks are block_k wide: a block_k-byte swizzle, so that each K
   block's wgmma starts at a swizzle boundary."""
   return plgpu.TilingTransform((8, block_k)), plgpu.SwizzleTransform(block_k)
-
-# Mosaic GPU describes the TMA of a swizzled (8, 128)-tiled SMEM tile as a copy from an (8, 128)-tiled view of the
-# whole GMEM array, which exists only when the array's row count is a multiple of 8 or below 8.
-TMA_ROW_TILE = 8
-PRODUCER_REGISTERS = 40  # the TMA warpgroup issues copies only
 
 
 class Dim(enum.IntEnum):
@@ -55,8 +54,8 @@ class Dim(enum.IntEnum):
 class MosaicGemmConfig:
   """Tiling and schedule of the Mosaic GPU block-FP8 GEMMs; a config that no kernel could build is refused here.
 
-  tile_m, tile_n: the CTA output tile. tile_m a multiple of 64; tile_n a multiple of 8 up to 256. A tile_n that
-    neither divides 128 nor is a multiple of it scales per column (`scales_per_column`) and needs N % tile_n == 0.
+  tile_m, tile_n: the CTA output tile. tile_m a multiple of 64; tile_n a multiple of 8 up to 256. Where a sub-tile
+    can straddle two weight-scale blocks (`scales_per_column`) the scale is chosen per column and N % tile_n == 0.
   max_concurrent_steps: TMA pipeline depth (stages in SMEM).
   k_blocks_per_step: K blocks (block_k wide) per pipeline step (1 or 2). With 2, each sub-tile's second wgmma
     overlaps the scaling of the first.
@@ -81,9 +80,9 @@ class MosaicGemmConfig:
   skip_idle_consumers: grouped kernel: a consumer warpgroup whose part of a work item's tile holds none of its rows
     runs no wgmma (False: it computes rows it will not store, as two consumers did before the flag).
   sub_tile_n: columns of one sub-tile (one wgmma and its promotion); None: the warpgroup's columns in as few equal
-    parts of at most MAX_SUB_N as there can be. A narrower sub-tile holds a smaller fresh wgmma accumulator (64 * sub_n /
-    128 registers a thread): where the compiler ignores setmaxnreg (JAX 0.12's libnvJitLink) a consumer must fit the
-    launch's even share of registers. It must divide the warpgroup's columns and MAX_SUB_N, a multiple of 8.
+    parts of at most MAX_SUB_N as there can be. A narrower sub-tile holds a smaller fresh wgmma accumulator
+    (64 * sub_n / 128 registers a thread): where the compiler ignores setmaxnreg (JAX 0.12's libnvJitLink) a consumer
+    must fit the launch's even share of registers. It must divide the warpgroup's columns and MAX_SUB_N, a multiple of 8.
   block_n, block_k: the problem's block size (gn, gk) (docs/CONTRACT.md §2), each 64 or 128: a weight scale per
     block_n columns and block_k K, an activation scale per row and block_k K. The backends set them from the call's
     block_size; a sub-tile wider than block_n meets two weight-scale blocks and scales per column.

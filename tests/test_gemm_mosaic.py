@@ -122,19 +122,20 @@ COLUMN_KINDS: dict[str, tuple[MosaicGemmConfig, int, int, Any]] = {
 
 
 def _quantized_problem(rng, m: int, n: int, k: int, *, extra_scale_cols: int = 0, scale_pad_value=1.0,
-                       decades: float = 2.0):
-  """Random activations and weights quantized as docs/CONTRACT.md §1 and 4; group magnitudes vary over +-`decades` decades so
-  that a misapplied scale cannot hide."""
+                       decades: float = 2.0, block_size=(128, 128)):
+  """Random activations and weights quantized as docs/CONTRACT.md §1 and 4 in blocks of block_size = (gn, gk);
+  group and block magnitudes vary over +-`decades` decades so that a misapplied scale cannot hide."""
+  gn, gk = block_size
   x = rng.standard_normal((m, k)).astype(np.float32)
-  x *= np.repeat(10.0 ** rng.uniform(-decades, decades, (m, k // 128)), 128, axis=1).astype(np.float32)
-  a_q, a_s = ref.per_token_group_quant_fp8(x, 128, column_major_scales=True, scale_tma_aligned=True)
+  x *= np.repeat(10.0 ** rng.uniform(-decades, decades, (m, k // gk)), gk, axis=1).astype(np.float32)
+  a_q, a_s = ref.per_token_group_quant_fp8(x, gk, column_major_scales=True, scale_tma_aligned=True)
   if extra_scale_cols:
     pad = np.full((a_s.shape[0], extra_scale_cols), scale_pad_value, np.float32)
     a_s = np.concatenate([a_s, pad], axis=1)
   w = rng.standard_normal((n, k)).astype(np.float32)
-  w_scales = 10.0 ** rng.uniform(-decades, decades, (-(-n // 128), k // 128))
-  w *= np.repeat(np.repeat(w_scales, 128, 0), 128, 1)[:n].astype(np.float32)
-  b_q, b_s = ref.quantize_weight_blockwise(w)
+  w_scales = 10.0 ** rng.uniform(-decades, decades, (-(-n // gn), k // gk))
+  w *= np.repeat(np.repeat(w_scales, gn, 0), gk, 1)[:n].astype(np.float32)
+  b_q, b_s = ref.quantize_weight_blockwise(w, block_size)
   return a_q, b_q, a_s, b_s
 
 
@@ -338,18 +339,6 @@ BLOCK_SIZE_KINDS = {"ws1_64x128_k2_ahead": (KINDS["ws1_64x128_k2_ahead"], 200),
                     "ws2_m_128x80": (COLUMN_KINDS["ws2_m_128x80"][0], 640)}
 
 
-def _blocked_problem(rng, m: int, n: int, k: int, block_size, decades: float = 2.0):
-  """_quantized_problem for any (gn, gk): each activation group and weight block at its own magnitude."""
-  gn, gk = block_size
-  x = rng.standard_normal((m, k)).astype(np.float32)
-  x *= np.repeat(10.0 ** rng.uniform(-decades, decades, (m, k // gk)), gk, axis=1).astype(np.float32)
-  a_q, a_s = ref.per_token_group_quant_fp8(x, gk, column_major_scales=True, scale_tma_aligned=True)
-  w_scales = 10.0 ** rng.uniform(-decades, decades, (-(-n // gn), k // gk))
-  w = rng.standard_normal((n, k)) * np.repeat(np.repeat(w_scales, gn, 0), gk, 1)[:n]
-  b_q, b_s = ref.quantize_weight_blockwise(w.astype(np.float32), block_size)
-  return a_q, b_q, a_s, b_s
-
-
 @pytest.mark.parametrize("block_size", OTHER_BLOCK_SIZES)
 @pytest.mark.parametrize("kind", list(BLOCK_SIZE_KINDS))
 def test_block_sizes(rng, block_size, kind):
@@ -358,7 +347,7 @@ def test_block_sizes(rng, block_size, kind):
   (64-byte swizzled K blocks), K an odd number of 64-wide blocks where gk = 64, a partial last column tile, a bias."""
   config, n = BLOCK_SIZE_KINDS[kind]
   m, k = 70, 320 if block_size[1] == 64 else 384
-  a_q, b_q, a_s, b_s = _blocked_problem(rng, m, n, k, block_size)
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k, block_size=block_size)
   bias = (rng.standard_normal(n) * 10).astype(np.float32)
   out = jaxfp8.w8a8_block_fp8_matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
                                      block_size, a_s_column_major=True, bias=jnp.asarray(bias),
@@ -861,7 +850,7 @@ def test_gpu_block_sizes(block_size, m):
   of 128), K an odd number of 64-wide blocks where gk = 64, a bias; the whole output against the float64 reference."""
   rng = np.random.default_rng(m + block_size[0] + 2 * block_size[1])
   n, k = 1600, 2112 if block_size[1] == 64 else 2176
-  a_q, b_q, a_s, b_s = _blocked_problem(rng, m, n, k, block_size)
+  a_q, b_q, a_s, b_s = _quantized_problem(rng, m, n, k, block_size=block_size)
   bias = (rng.standard_normal(n) * 10).astype(np.float32)
   out = jaxfp8.w8a8_block_fp8_matmul(jnp.asarray(a_q), jnp.asarray(b_q), jnp.asarray(a_s), jnp.asarray(b_s),
                                      block_size, a_s_column_major=True, bias=jnp.asarray(bias),

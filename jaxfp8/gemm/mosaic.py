@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 KERNEL_MODULE = "pallas_kernels.gemm_mosaic"
 CONFIG_CLASS = "MosaicGemmConfig"
 BLOCK = 128       # DeepSeek-V3's and Qwen3's scale block, the one the schedules below were measured on
-BLOCK_SIZES = (64, 128)  # the gn and gk the kernel takes (`MosaicGemmConfig.block_n`, `block_k`)
 # The block sizes the default dispatch sends to this kernel; the others run when named (implementation="mosaic")
 # until they are measured on an H200 (WORKSPACE.md, what to measure next).
 DEFAULT_BLOCK_SIZES = ((BLOCK, BLOCK),)
@@ -252,9 +251,10 @@ def not_default(problem) -> str | None:
 
 
 def block_size_problem(block_size) -> str | None:
-  """Why the Mosaic kernels cannot take this (gn, gk) (None: they can)."""
-  if not all(b in BLOCK_SIZES for b in block_size):
-    return f"it implements block sizes of {' or '.join(map(str, BLOCK_SIZES))}, got {tuple(block_size)}"
+  """Why the Mosaic kernels cannot take this (gn, gk) (None: they can; the kernel's BLOCK_SIZES)."""
+  sizes = _kernel().BLOCK_SIZES
+  if not all(b in sizes for b in block_size):
+    return f"it implements block sizes of {' or '.join(map(str, sizes))}, got {tuple(block_size)}"
   return None
 
 

@@ -163,8 +163,7 @@ def not_default(problem) -> str | None:
 def default_config_for(problem, device: _platform.Device):
   config, why = default_config(problem, device.num_sms)
   kind = "prefill" if config.persistent and not config.live_grid else "decode"
-  config = fit_smem(dense.with_block_size(config, problem.block_size), problem.out_dtype, problem.k)
-  return config, f"the {kind} schedule on {device.num_sms} SMs: {why}"
+  return dense.with_block_size(config, problem.block_size), f"the {kind} schedule on {device.num_sms} SMs: {why}"
 
 
 def config_problem(problem, config) -> str | None:

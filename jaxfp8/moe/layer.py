@@ -89,6 +89,9 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   ids = slot_ids.reshape(-1).astype(jnp.int32)
   n = ids.shape[0]
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
+  # the slots of some expert, counted from the keys (one reduction; at decode nothing else reads the group sizes,
+  # whose kernel then drops out)
+  live = jnp.sum(key < experts, dtype=jnp.int32)
   if n * n <= routing.PAIRWISE_MAX_COMPARES:
     earlier = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
     same_earlier = (key[None, :] == key[:, None]) & earlier
@@ -98,9 +101,6 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     order = jnp.sum(jnp.where(rank[None, :] == lax.broadcasted_iota(jnp.int32, (n, n), 0),
                               lax.broadcasted_iota(jnp.int32, (n, n), 1), 0), axis=1, dtype=jnp.int32)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
-    # the slots of some expert, counted from the keys: at decode nothing but a fallback reads group_sizes, so their
-    # kernel and a second reduction after it drop out
-    live = jnp.sum(key < experts, dtype=jnp.int32)
   elif (experts + 1) * n <= COUNTING_MAX_ENTRIES:
     buckets = jnp.arange(experts + 1, dtype=jnp.int32)
     running = jnp.cumsum((key[None, :] == buckets[:, None]).astype(jnp.int32), axis=1)  # (E + 1, R), inclusive
@@ -118,8 +118,6 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
   if plan is not None and plan.row_align > 1:
     return _aligned(key, rank, group_sizes, plan)
-  if within is None:
-    live = jnp.sum(group_sizes).astype(jnp.int32)
   d = Dispatch(order, rank, group_sizes, live)
   return d if plan is None else with_tables(d, plan, key, within)
 

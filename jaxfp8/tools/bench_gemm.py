@@ -93,7 +93,7 @@ def make_activation(key, m: int, k: int, gk: int):
   return a_q, a_s_col
 
 
-def decode_tile_buffers(a_q, b_q, a_s_col, b_s, rows: int = gemm.mosaic.DECODE_ROWS):
+def row_padded_buffers(a_q, b_q, a_s_col, b_s, rows: int):
   """The arguments with the activations as the quantizer's buffers padded to `rows` rows (its row_alignment): zero
   codes and scale 1.0 past M, which is what the Mosaic contender reads (with out_rows=M) where the GEMM's row
   alignment pads, as `jaxfp8.linear` hands them to it."""
@@ -315,7 +315,7 @@ def _time_jax(name: str, fn: Callable, arg_sets: list[tuple], block_size, sample
   if align > 1:
     rows = -(-m // align) * align
     fn = jax_contender(name, block_size, out_rows=m, config=config)
-    arg_sets = [decode_tile_buffers(*arg_set, rows=rows) for arg_set in arg_sets]
+    arg_sets = [row_padded_buffers(*arg_set, rows=rows) for arg_set in arg_sets]
     note = f"the quantizer's {rows}-row buffers (row_alignment={align}), out_rows=M (as jaxfp8.linear calls it)"
   try:
     out = np.asarray(jax.block_until_ready(fn(*arg_sets[0]))).astype(np.float32)
