@@ -245,6 +245,22 @@ def test_moe_steps_reproduce_the_layer(rng):
   np.testing.assert_array_equal(np.asarray(values["out"], np.float32), np.asarray(whole, np.float32))
 
 
+def test_moe_route_is_timed_on_every_other_router_implementation(rng):
+  """Beside the route step, each router implementation its plan did not pick (here, on CPU, XLA's compare-and-count
+  picked), on the same inputs and checked against the picked route's choice (the Mosaic router interpreted)."""
+  layer = bench_moe.LAYERS["tiny"]
+  values = bench_moe._layer_values(layer, jax.random.key(int(rng.integers(2**31))))
+  values["x"] = jnp.asarray(rng.standard_normal((11, layer.hidden)), jnp.bfloat16)
+  values["ids"], values["weights"] = jax.jit(bench_moe._route_fn(layer))(values["x"], values["gate_weight"],
+                                                                         values["bias"])
+  rows = {}
+  bench_moe._time_other_route(layer, values, lambda fn, arg_sets: (3.0, None),
+                              lambda name, role, **fields: rows.setdefault(name, fields))
+  assert set(rows) == {"route_mosaic", "route_xla_merge"}
+  for row in rows.values():
+    assert row["same_ids"] and row["weights_max_diff"] < 1e-6 and row["us"] == 3.0, row
+
+
 # ---- what to run -----------------------------------------------------------------------------------------------------
 
 def test_time_budget_leaves_an_incomplete_json(tmp_path):

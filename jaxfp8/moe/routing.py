@@ -5,17 +5,20 @@ are float layers; `quantize_linears` leaves them so).
 Both take logits (..., E), any leading shape (the tokens, as the layer takes them), and follow one NaN rule: a token
 whose routing values hold a NaN gets NaN for every one of its weights (§8).
 
-Two implementations of the choice after the logits (`plan` picks, `Router.explain` says which and why): "xla", the
+Three implementations of the choice after the logits (`plan` picks, `Router.explain` says which and why): "xla", the
 compare-and-count top-k below (a chain of small fused reductions: about ten kernels for DeepSeek-V3's router at one
-token), and "mosaic", one Mosaic GPU kernel for the whole chain (pallas_kernels/route_topk_mosaic.py), the default
-on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the problem (Qwen3's softmax router; DeepSeek-V3's is slower
-than XLA's). Both give `lax.top_k`'s ids on the same values; the weights may differ by the rounding of each one's
-exp and k-term sum (§8: weights to float32 rounding). Both are differentiable in the logits (the Mosaic one
-through the XLA weights of the ids it chose) and take `jax.vmap`."""
+token), "xla_merge", each row's best entries as one reduction whose state is a sorted list (`_best_lists`; the
+groups' lists merged after it), and "mosaic", one Mosaic GPU kernel for the whole chain
+(pallas_kernels/route_topk_mosaic.py), the default on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the
+problem (Qwen3's softmax router; DeepSeek-V3's is slower than XLA's). All give `lax.top_k`'s ids on the same values;
+the weights may differ by the rounding of each one's exp and k-term sum (§8: weights to float32 rounding). All are
+differentiable in the logits (the Mosaic one and the merged form through the XLA weights of the ids they chose) and
+take `jax.vmap`."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 
@@ -28,7 +31,12 @@ from jaxfp8 import _checks, _planning, _platform
 from jaxfp8 import _transforms as transforms
 
 KERNEL_MODULE = "pallas_kernels.route_topk_mosaic"
-IMPLEMENTATIONS = ("mosaic", "xla")
+IMPLEMENTATIONS = ("mosaic", "xla", "xla_merge")
+# Where the Mosaic router does not run by default, XLA's choice in this form: "xla", the compare-and-count top-k (a
+# chain of fused reductions, a kernel each: ten for DeepSeek-V3's router at one token, 12.5 us on the H200), or
+# "xla_merge", each row's k best as one reduction over sorted lists (`_best_lists`: DeepSeek-V3's whole choice after
+# the logits in one reduction and one elementwise kernel). "xla_merge" stays named-only until an H200 times it.
+XLA_DEFAULT = "xla"
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
 # scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
 # XLA's 5.4 / 5.8 / 7.1 / 14.3 / 21.7 at 1 / 8 / 64 / 512 / 4096 tokens (level at 8, 1.2x faster at 64, 3x at 4096).
@@ -145,6 +153,89 @@ def _top_k_rounds(values: jax.Array, k: int) -> jax.Array:
   return jnp.stack(ids, axis=-1)
 
 
+# ---- the merged form: each row's p best entries as one reduction whose state is a sorted list ----------------------
+
+# The entry that ranks after every real one: the least key, and an index past any (a real entry of the least key,
+# -NaN of all ones, still wins on its index).
+_NO_ENTRY = (np.int32(np.iinfo(np.int32).min), np.int32(np.iinfo(np.int32).max))
+
+
+def _wins(a: tuple, b: tuple) -> jax.Array:
+  """Whether entry a = (key, index, ...) ranks before entry b in `lax.top_k`'s order: the larger key, then the lower
+  index. Real entries have distinct indices, so this is a strict total order on them."""
+  return (a[0] > b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+
+
+def _either(take_a: jax.Array, a: tuple, b: tuple) -> tuple:
+  return tuple(jnp.where(take_a, x, y) for x, y in zip(a, b))
+
+
+def _merged(a: list, b: list) -> list:
+  """The best len(a) entries of lists a and b (each sorted best first, of one power-of-two length), sorted best first.
+  Against b reversed, the better of a[i] and b[-1 - i] at each i is the best half of the union (a sequence that falls,
+  then rises: bitonic), which a bitonic sorter's half-cleaners put in order. Associative and commutative, so XLA may
+  reduce in any order."""
+  p = len(a)
+  c = [_either(_wins(x, y), x, y) for x, y in zip(a, reversed(b))]
+  half = p // 2
+  while half:
+    for i in range(p):
+      if i % (2 * half) < half:
+        first = _wins(c[i], c[i + half])
+        c[i], c[i + half] = _either(first, c[i], c[i + half]), _either(first, c[i + half], c[i])
+    half //= 2
+  return c
+
+
+def _list_length(k: int) -> int:
+  return 1 << max(k - 1, 0).bit_length()
+
+
+def _best_lists(keys: jax.Array, p: int, index: jax.Array | None = None, payloads: tuple = (),
+                flag: jax.Array | None = None) -> tuple[list, jax.Array | None]:
+  """Each row of the last axis' p best entries (p a power of two), best first, in one `lax.reduce`: a list of p
+  (key, index, *payloads) tuples of shape keys.shape[:-1] (past a row's length, entries of `_NO_ENTRY`), and the
+  row's OR of `flag`. keys: int32 order keys; index: each entry's index (default its place in the row); payloads:
+  int32 arrays carried with their entries. One kernel where compare-and-count takes two or more and rounds of argmax
+  one a round."""
+  axis = keys.ndim - 1
+  index = lax.broadcasted_iota(jnp.int32, keys.shape, axis) if index is None else index
+  width = 2 + len(payloads)
+  none = (*_NO_ENTRY, *(np.int32(0),) * len(payloads))
+  operands = [keys, index, *payloads] + [jnp.full(keys.shape, v, jnp.int32) for _ in range(p - 1) for v in none]
+  inits = list(none) * p
+  if flag is not None:
+    operands.append(flag.astype(jnp.int32))
+    inits.append(np.int32(0))
+
+  def combine(a, b):
+    lists = [[tuple(x[i * width:(i + 1) * width]) for i in range(p)] for x in (a, b)]
+    out = [v for entry in _merged(*lists) for v in entry]
+    return (*out, *((jnp.maximum(a[-1], b[-1]),) if flag is not None else ()))
+
+  out = lax.reduce(tuple(operands), tuple(inits), combine, (axis,))
+  best = [tuple(out[i * width:(i + 1) * width]) for i in range(p)]
+  return best, (out[-1] > 0 if flag is not None else None)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def _float(bits: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _key_value(key: jax.Array) -> jax.Array:
+  """The float32 whose `_order_keys` key is `key` (the map is its own inverse on the bits)."""
+  return _float(jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key))
+
+
+def _ids_and_weights(best: list, k: int) -> tuple[jax.Array, jax.Array]:
+  """(ids (..., k), the first payload as float32 weights (..., k)) of a `_best_lists` list."""
+  return (jnp.stack([e[1] for e in best[:k]], axis=-1), jnp.stack([_float(e[2]) for e in best[:k]], axis=-1))
+
+
 def _kernel():
   return importlib.import_module(KERNEL_MODULE)
 
@@ -153,33 +244,38 @@ class RoutePlan(_planning.StepPlan):
   STEP = "router top-k"
 
 
+_XLA_FORMS = {"xla": "XLA's compare-and-count top-k", "xla_merge": "XLA's top-k as one reduction over sorted lists"}
+
+
 def plan(router, tokens: int, experts: int, dtype, implementation: str | None = None, interpret: bool | None = None,
          device: _platform.Device | None = None) -> RoutePlan:
   """The plan of `router` on logits (tokens, experts) of dtype: the Mosaic kernel on Hopper where it takes the
-  problem, else XLA's top-k; `implementation` overrides (a ValueError says why the Mosaic one cannot run here)."""
+  problem, else XLA's choice in the form XLA_DEFAULT names; `implementation` overrides (a ValueError says why the
+  Mosaic one cannot run here)."""
   _checks.one_of("implementation", implementation, IMPLEMENTATIONS)
   interpret = _platform.resolve_interpret(_checks.interpret(interpret))
   device = device or _platform.device()
-  if implementation == "xla":
-    return RoutePlan("xla", None, interpret, "implementation='xla' was asked for")
+  if implementation in _XLA_FORMS:
+    return RoutePlan(implementation, None, interpret, f"implementation={implementation!r} was asked for")
+
+  def xla(why: str) -> RoutePlan:
+    return RoutePlan(XLA_DEFAULT, None, interpret, f"{_XLA_FORMS[XLA_DEFAULT]} ({why})")
+
   why = _platform.unavailable_reason("the Mosaic GPU router", device, interpret, hopper=True, module=KERNEL_MODULE)
   spec = None if why else router.kernel_routing()
   if not why and (problems := _kernel().problems(experts, dtype, spec)):
     why = "; ".join(problems)
   if implementation is None:
     if device.capability is None or (interpret and not device.is_hopper):
-      return RoutePlan("xla", None, interpret, f"no Hopper GPU (device {device.describe()}): XLA's compare-and-count "
-                       "top-k (name implementation='mosaic' to interpret the kernel)")
+      return xla(f"no Hopper GPU (device {device.describe()}); name implementation='mosaic' to interpret the kernel")
     if why:
-      return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k (the Mosaic router cannot run: {why})")
+      return xla(f"the Mosaic router cannot run: {why}")
     least = MOSAIC_MIN_TOKENS[spec.scoring]
     if least is None:
-      return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k (the Mosaic router's {spec.scoring} "
-                       "scoring measured slower than XLA's inside the MoE layer at every token count; "
-                       "implementation='mosaic' runs it)")
+      return xla(f"the Mosaic router's {spec.scoring} scoring measured slower than XLA's inside the MoE layer at "
+                 "every token count; implementation='mosaic' runs it")
     if tokens < least:
-      return RoutePlan("xla", None, interpret, f"XLA's compare-and-count top-k ({tokens} tokens < {least}: its few "
-                       "kernels are level with the Mosaic router's one)")
+      return xla(f"{tokens} tokens < {least}: its few kernels are level with the Mosaic router's one")
     return RoutePlan("mosaic", spec, interpret, f"Hopper GPU {device.describe()}: one Mosaic GPU kernel for the "
                      f"whole choice of {tokens} tokens (XLA runs it as a chain of small reductions, a kernel each)")
   if why:
@@ -204,7 +300,9 @@ def _route(router, p: RoutePlan, logits: jax.Array, bias: jax.Array | None) -> t
     ids, weights = kernel(logits.reshape(-1, logits.shape[-1]), bias)
     return (ids.reshape(axis_size, -1, ids.shape[-1]), weights.reshape(axis_size, -1, weights.shape[-1])), (True, True)
 
-  chosen = transforms.batched(kernel, vmap_rule)
+  # the merged form's reduction batches as it is; its payloads are bits, so both forms take the weights' derivative
+  # from the gather below
+  chosen = router.choose_merged if p.implementation == "xla_merge" else transforms.batched(kernel, vmap_rule)
 
   @jax.custom_jvp
   def route(logits, bias):
@@ -348,6 +446,39 @@ class DeepSeekV3Router(_Routed):
     ids, weights = _top_k_weighed(masked, self.top_k, scores)
     return ids.astype(jnp.int32), _nan_tokens_get_nan(choice, self._normalized(weights))
 
+  def choose_merged(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """XLA's choice in the merged form: each group's best entries in one reduction (its first two summed are the
+    group's score), then the groups ranked and the topk_group best groups' lists merged, elementwise over the
+    tokens: `choose`'s ids bit for bit, its weights to float32 rounding."""
+    t, e = logits.shape
+    g, n = self.n_group, e // self.n_group
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + correction_bias.astype(jnp.float32)[None, :]
+    p = _list_length(max(self.top_k, 2))
+    index = (lax.broadcasted_iota(jnp.int32, (t, g, n), 2) + n * lax.broadcasted_iota(jnp.int32, (t, g, n), 1))
+    best, nan = _best_lists(_order_keys(choice).reshape(t, g, n), p, index, (_bits(scores).reshape(t, g, n),),
+                            jnp.isnan(choice).reshape(t, g, n))
+    two = _key_value(best[0][0]) + _key_value(best[1][0])  # each group's two best summed (n >= 2: both real)
+    group_key = _order_keys(jnp.where(jnp.isnan(two), -jnp.inf, two))  # a NaN sum (inf + -inf) ranks last
+    column = [group_key[:, j] for j in range(g)]
+    masked_key = _order_keys(jnp.float32(-jnp.inf))
+    lists = []
+    for j in range(g):
+      # group j's rank: the groups that beat it (a higher score, or an equal one at a lower index), counted column
+      # by column so that XLA fuses it with the merge below
+      rank = sum((column[h] >= column[j] if h < j else column[h] > column[j]).astype(jnp.int32)
+                 for h in range(g) if h != j)
+      # outside the chosen groups every biased score is -inf: the group's best are then its lowest indices
+      masked = [(jnp.full((t,), masked_key), jnp.full((t,), j * n + i, jnp.int32), _bits(scores[:, j * n + i]))
+                if i < n else tuple(jnp.full((t,), v, jnp.int32) for v in (*_NO_ENTRY, np.int32(0)))
+                for i in range(p)]
+      lists.append([_either(rank < self.topk_group, tuple(x[:, j] for x in best[i]), masked[i]) for i in range(p)])
+    while len(lists) > 1:
+      lists = [_merged(lists[i], lists[i + 1]) for i in range(0, len(lists) - 1, 2)] + lists[len(lists) & ~1:]
+    ids, weights = _ids_and_weights(lists[0], self.top_k)
+    any_nan = functools.reduce(jnp.logical_or, [nan[:, j] for j in range(g)])
+    return ids, jnp.where(any_nan[:, None], jnp.float32(jnp.nan), self._normalized(weights))
+
   def _normalized(self, weights: jax.Array) -> jax.Array:
     """The chosen scores normalized (with norm_topk_prob) and scaled."""
     if self.norm_topk_prob:
@@ -402,6 +533,16 @@ class Qwen3MoeRouter(_Routed):
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     ids, weights = _top_k_weighed(probs, self.top_k, probs)
     return ids.astype(jnp.int32), _nan_tokens_get_nan(probs, self._normalized(weights))
+
+  def choose_merged(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
+    """XLA's choice in the merged form: the top_k of each token's probabilities in one reduction (`choose`'s ids bit
+    for bit, its weights to float32 rounding)."""
+    del correction_bias
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    best, nan = _best_lists(_order_keys(probs), _list_length(self.top_k), payloads=(_bits(probs),),
+                            flag=jnp.isnan(probs))
+    ids, weights = _ids_and_weights(best, self.top_k)
+    return ids, jnp.where(nan[:, None], jnp.float32(jnp.nan), self._normalized(weights))
 
   def _normalized(self, weights: jax.Array) -> jax.Array:
     """The chosen probabilities renormalized (with norm_topk_prob)."""

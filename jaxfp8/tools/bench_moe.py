@@ -418,22 +418,23 @@ def _time_other_combine(layer: Layer, plan, t: int, values, time_us, record) -> 
 
 
 def _time_other_route(layer: Layer, values, time_us, record) -> None:
-  """The route step again on the router implementation its plan did not pick, on the same inputs: its time, as
+  """The route step again on each router implementation its plan did not pick, on the same inputs: its time, as
   "route_<implementation>", and whether it chose the same ids (weights_max_diff: the largest weight difference)."""
   router = _router(layer)
   logits = jax.eval_shape(router.logits, values["x"], values["gate_weight"])  # the routed logits' shape and dtype
-  other = "xla" if router.explain(logits).implementation == "mosaic" else "mosaic"
-  try:
-    fn = jax.jit(_route_fn(layer, other))
-    args = tuple(values[name] for name in ("x", "gate_weight", "bias"))
-    ids, weights = fn(*args)
-    same = bool(np.array_equal(np.asarray(ids), np.asarray(values["ids"])))
-    diff = float(np.max(np.abs(np.asarray(weights) - np.asarray(values["weights"])), initial=0.0))
-    us, kernels = time_us(fn, [args])
-    record(f"route_{other}", "part", us=us, step=True, same_ids=same, weights_max_diff=diff,
-           **bench_report.kernel_fields(kernels))
-  except Exception as e:  # reported, not fatal for the other rows
-    record(f"route_{other}", "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
+  picked = router.explain(logits).implementation
+  for other in (name for name in moe.routing.IMPLEMENTATIONS if name != picked):
+    try:
+      fn = jax.jit(_route_fn(layer, other))
+      args = tuple(values[name] for name in ("x", "gate_weight", "bias"))
+      ids, weights = fn(*args)
+      same = bool(np.array_equal(np.asarray(ids), np.asarray(values["ids"])))
+      diff = float(np.max(np.abs(np.asarray(weights) - np.asarray(values["weights"])), initial=0.0))
+      us, kernels = time_us(fn, [args])
+      record(f"route_{other}", "part", us=us, step=True, same_ids=same, weights_max_diff=diff,
+             **bench_report.kernel_fields(kernels))
+    except Exception as e:  # reported, not fatal for the other rows
+      record(f"route_{other}", "part", step=True, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def _time_bf16(baseline, route, values, bf16_weights, check, time_us, counts, record) -> None:
