@@ -2,8 +2,8 @@
 sort-based ones they replaced (lax.top_k, argsort), compile time and CUPTI kernel time, one case per process:
 `python3 scripts/ab_moe_routing.py CASE T [any]` with CASE in route_ds_new, route_ds_old, route_qw_new, route_qw_old,
 dispatch_{new,old,cumsum} (E=32 of 256-expert ids), dispatch128_{new,old,cumsum} (E=128). A third argument "any"
-lifts routing.PAIRWISE_MAX_COMPARES: the compare-and-count ops at every size (past it the library's top-k runs as
-rounds of argmax, its dispatch as a running count per expert); "lax" sets routing.ROUNDS_MAX_K = 0 (lax.top_k past
+lifts topk.PAIRWISE_MAX_COMPARES: the compare-and-count ops at every size (past it the library's top-k runs as
+rounds of argmax, its dispatch as a running count per expert); "lax" sets topk.ROUNDS_MAX_K = 0 (lax.top_k past
 the compare-and-count)."""
 import sys
 import time
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxfp8 import moe
-from jaxfp8.moe import layer, routing
+from jaxfp8.moe import layer, topk
 from jaxfp8.tools import timing
 
 
@@ -80,7 +80,7 @@ def main(case, t):
 
 if __name__ == "__main__":
   if sys.argv[3:] == ["any"]:
-    routing.PAIRWISE_MAX_COMPARES = 1 << 62
+    topk.PAIRWISE_MAX_COMPARES = 1 << 62
   if sys.argv[3:] == ["lax"]:
-    routing.ROUNDS_MAX_K = 0
+    topk.ROUNDS_MAX_K = 0
   main(sys.argv[1], int(sys.argv[2]))

@@ -129,7 +129,7 @@ def test_qwen3_router_matches_reference(rng, e, top_k, norm):
   _assert_routes(ids, weights, want_ids, want_weights, _margins(probs / probs.sum(-1, keepdims=True), top_k))
 
 
-# each form of the choice: the compare-and-count (within routing.PAIRWISE_MAX_COMPARES; (300, 256) is past it), the
+# each form of the choice: the compare-and-count (within topk.PAIRWISE_MAX_COMPARES; (300, 256) is past it), the
 # rounds of argmax (past it, k <= ROUNDS_MAX_K) and lax.top_k itself; the chosen entries picked or gathered
 @pytest.mark.parametrize("shape, k", [((300, 256), 8), ((5, 8, 32), 2), ((7, 8), 4), ((64, 128), 8), ((1, 256), 8),
                                       ((64, 256), 8), ((3, 2), 2)])
@@ -137,10 +137,10 @@ def test_qwen3_router_matches_reference(rng, e, top_k, norm):
 @pytest.mark.parametrize("form", ["shipped", "rounds", "lax"])
 def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, monkeypatch, shape, k, values, form):
   from jax import lax
-  from jaxfp8.moe import routing
+  from jaxfp8.moe import topk
   if form != "shipped":
-    monkeypatch.setattr(routing, "PAIRWISE_MAX_COMPARES", 0)
-    monkeypatch.setattr(routing, "ROUNDS_MAX_K", k if form == "rounds" else 0)
+    monkeypatch.setattr(topk, "PAIRWISE_MAX_COMPARES", 0)
+    monkeypatch.setattr(topk, "ROUNDS_MAX_K", k if form == "rounds" else 0)
   v = rng.standard_normal(shape).astype(np.float32)
   if values == "ties":
     v = np.round(v * 2) / 2
@@ -151,16 +151,16 @@ def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, monkeypatch, shape, k, valu
     flat[where] = rng.choice(np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, least], np.float32), where.size)
   want_v, want_i = lax.top_k(jnp.asarray(v), k)
   other = rng.standard_normal(shape).astype(np.float32)
-  got_i, got_v, got_other = routing._top_k(jnp.asarray(v), k, jnp.asarray(v), jnp.asarray(other))
+  got_i, got_v, got_other = topk.top_k(jnp.asarray(v), k, jnp.asarray(v), jnp.asarray(other))
   np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
   assert np.asarray(got_v).tobytes() == np.asarray(want_v).tobytes()
   assert np.asarray(got_other).tobytes() == np.take_along_axis(other, np.asarray(want_i), -1).tobytes()
   # the membership the group choice uses, and the ids with their weights (probabilities, never -0.0) in one pick
   member = np.zeros(shape, bool)
   np.put_along_axis(member, np.asarray(want_i), True, -1)
-  np.testing.assert_array_equal(np.asarray(routing._in_top_k(jnp.asarray(v), k)), member)
+  np.testing.assert_array_equal(np.asarray(topk.in_top_k(jnp.asarray(v), k)), member)
   weights = np.abs(other)
-  got_i, got_w = routing._top_k_weighed(jnp.asarray(v), k, jnp.asarray(weights))
+  got_i, got_w = topk.top_k_weighed(jnp.asarray(v), k, jnp.asarray(weights))
   np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
   assert np.asarray(got_w).tobytes() == np.take_along_axis(weights, np.asarray(want_i), -1).tobytes()
 
@@ -497,7 +497,7 @@ def test_dispatch_is_stable_and_puts_outside_ids_last():
     (1, 4, 4, False), (8, 32, 256, False), (300, 8, 8, False), (2048, 128, 130, False), (2049, 16, 20, False),
     (32768, 32, 256, False), (2049, 16, 20, True), (5000, 128, 140, True)])
 def test_dispatch_is_numpys_stable_argsort(rng, monkeypatch, slots, experts, ids_below, argsort):
-  # every path: the pairwise count (up to 2048 slots: routing.PAIRWISE_MAX_COMPARES), the running count per expert,
+  # every path: the pairwise count (up to 2048 slots: topk.PAIRWISE_MAX_COMPARES), the running count per expert,
   # and (past layer.COUNTING_MAX_ENTRIES, lowered here) the argsort
   if argsort:
     monkeypatch.setattr(moe_layer, "COUNTING_MAX_ENTRIES", (experts + 1) * slots - 1)

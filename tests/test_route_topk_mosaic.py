@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxfp8 import _platform, reference
-from jaxfp8.moe import routing
+from jaxfp8.moe import routing, topk
 from helpers import backend_importable, fake_device, kernel_calls
 
 IMPORTABLE = backend_importable(routing.KERNEL_MODULE)
@@ -197,7 +197,7 @@ def test_group_scores_are_the_two_best_summed(rng, monkeypatch):
   with np.errstate(invalid="ignore"):
     want = top2[..., 0] + top2[..., 1]
   want = np.where(np.isnan(want), -np.inf, want)
-  for limit in (routing.PAIRWISE_MAX_COMPARES, 0):
-    monkeypatch.setattr(routing, "PAIRWISE_MAX_COMPARES", limit)
-    got = np.asarray(jax.jit(lambda g: routing._two_best_summed(g))(jnp.asarray(grouped)))  # traced anew
+  for limit in (topk.PAIRWISE_MAX_COMPARES, 0):
+    monkeypatch.setattr(topk, "PAIRWISE_MAX_COMPARES", limit)
+    got = np.asarray(jax.jit(lambda g: topk.two_best_summed(g))(jnp.asarray(grouped)))  # traced anew
     np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))

@@ -17,7 +17,7 @@ from jax import lax
 
 from jaxfp8 import moe
 from jaxfp8 import reference as ref
-from jaxfp8.moe import routing
+from jaxfp8.moe import routing, topk
 
 from test_moe import _assert_routes, _deepseek_margin, _margins
 from test_moe_hardening import _assert_nan_rule, _poisoned_logits
@@ -45,19 +45,19 @@ def test_best_lists_are_lax_top_k_bit_for_bit(rng, shape, k, kind):
   other = rng.standard_normal(shape).astype(np.float32)
   flag = rng.random(shape) < 0.05
   want_v, want_i = (np.asarray(a) for a in lax.top_k(jnp.asarray(v), k))
-  p = routing._list_length(k)
+  p = topk.list_length(k)
   assert p >= k and p & (p - 1) == 0
-  best, any_flag = jax.jit(lambda v, o, f: routing._best_lists(routing._order_keys(v), p,
-                                                               payloads=(routing._bits(v), routing._bits(o)),
+  best, any_flag = jax.jit(lambda v, o, f: topk.best_lists(topk.order_keys(v), p,
+                                                               payloads=(topk.bits(v), topk.bits(o)),
                                                                flag=f))(jnp.asarray(v), jnp.asarray(other), flag)
   assert len(best) == p
   ids = np.stack([np.asarray(e[1]) for e in best[:k]], -1)
   np.testing.assert_array_equal(ids, want_i)
-  assert np.stack([np.asarray(routing._float(e[2])) for e in best[:k]], -1).tobytes() == want_v.tobytes()
-  assert (np.stack([np.asarray(routing._float(e[3])) for e in best[:k]], -1).tobytes()
+  assert np.stack([np.asarray(topk.as_float(e[2])) for e in best[:k]], -1).tobytes() == want_v.tobytes()
+  assert (np.stack([np.asarray(topk.as_float(e[3])) for e in best[:k]], -1).tobytes()
           == np.take_along_axis(other, want_i, -1).tobytes())
   # the keys come back as they went in, and past the row's length the entries rank after every real one
-  assert (np.stack([np.asarray(routing._key_value(e[0])) for e in best[:k]], -1).tobytes() == want_v.tobytes())
+  assert (np.stack([np.asarray(topk.key_value(e[0])) for e in best[:k]], -1).tobytes() == want_v.tobytes())
   for e in best[shape[-1]:]:
     assert (np.asarray(e[1]) == np.iinfo(np.int32).max).all()
   np.testing.assert_array_equal(np.asarray(any_flag), flag.any(-1))

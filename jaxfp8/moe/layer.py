@@ -34,7 +34,7 @@ from jax import lax
 from jaxfp8 import grouped, quant
 from jaxfp8.moe import combine as combine_rows
 from jaxfp8.moe import permute as permute_rows
-from jaxfp8.moe import routing
+from jaxfp8.moe import topk
 
 STEPS = ("dispatch", "quantize", "permute", "gate_up", "silu_quant", "down", "combine")
 GEMM_STEPS = ("gate_up", "gate_up_silu_quant", "down")
@@ -81,7 +81,7 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   expert, stable, the slots of no expert last: a counting sort, no sort kernel, in one of two forms.
 
   A slot's expert-order row is the number of slots that go before it: those of a lower expert (its expert's offset)
-  and those of its own expert at a lower slot. With few slots (R x R within routing.PAIRWISE_MAX_COMPARES) that
+  and those of its own expert at a lower slot. With few slots (R x R within topk.PAIRWISE_MAX_COMPARES) that
   count is one fused reduction over (R, R); with more, a running count per expert (a cumulative sum over (E + 1, R):
   XLA's GPU cumsum is a scan kernel, a few times faster than the stable argsort it replaced at 4096 tokens), and past
   COUNTING_MAX_ENTRIES of those a stable argsort. The order is then one scatter of the rows. With the layer's plan,
@@ -92,7 +92,7 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   # the slots of some expert, counted from the keys (one reduction; at decode nothing else reads the group sizes,
   # whose kernel then drops out)
   live = jnp.sum(key < experts, dtype=jnp.int32)
-  if n * n <= routing.PAIRWISE_MAX_COMPARES:
+  if n * n <= topk.PAIRWISE_MAX_COMPARES:
     earlier = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
     same_earlier = (key[None, :] == key[:, None]) & earlier
     rank = jnp.sum((key[None, :] < key[:, None]) | same_earlier, axis=1, dtype=jnp.int32)

@@ -7,7 +7,7 @@ whose routing values hold a NaN gets NaN for every one of its weights (§8).
 
 Three implementations of the choice after the logits (`plan` picks, `Router.explain` says which and why): "xla", the
 compare-and-count top-k below (a chain of small fused reductions: about ten kernels for DeepSeek-V3's router at one
-token), "xla_merge", each row's best entries as one reduction whose state is a sorted list (`_best_lists`; the
+token), "xla_merge", each row's best entries as one reduction whose state is a sorted list (`topk.best_lists`; the
 groups' lists merged after it), and "mosaic", one Mosaic GPU kernel for the whole chain
 (pallas_kernels/route_topk_mosaic.py), the default on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the
 problem (Qwen3's softmax router; DeepSeek-V3's is slower than XLA's). All give `lax.top_k`'s ids on the same values;
@@ -29,12 +29,13 @@ from jax import lax
 
 from jaxfp8 import _checks, _planning, _platform
 from jaxfp8 import _transforms as transforms
+from jaxfp8.moe import topk
 
 KERNEL_MODULE = "pallas_kernels.route_topk_mosaic"
 IMPLEMENTATIONS = ("mosaic", "xla", "xla_merge")
 # Where the Mosaic router does not run by default, XLA's choice in this form: "xla", the compare-and-count top-k (a
 # chain of fused reductions, a kernel each: ten for DeepSeek-V3's router at one token, 12.5 us on the H200), or
-# "xla_merge", each row's k best as one reduction over sorted lists (`_best_lists`: DeepSeek-V3's whole choice after
+# "xla_merge", each row's k best as one reduction over sorted lists (`topk.best_lists`: DeepSeek-V3's whole choice after
 # the logits in one reduction and one elementwise kernel). "xla_merge" stays named-only until an H200 times it.
 XLA_DEFAULT = "xla"
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
@@ -44,196 +45,6 @@ XLA_DEFAULT = "xla"
 # inside the MoE layer loses at every T, 4096 tokens included (36 / 39 / 97 us against XLA's 13 / 22 / 73 at 1 / 64 /
 # 4096 tokens, H100): off.
 MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": 8}
-
-
-# The most comparisons a compare-and-count choice (`_top_k` here, the layer's dispatch) makes in one call: the largest
-# measured to compile and run on the H200 (the DeepSeek-V3 router at 64 tokens: 64 x 256 x 256). XLA's GPU compiler
-# did not finish the DeepSeek-V3 router's at 4096 tokens in 45 s.
-PAIRWISE_MAX_COMPARES = 1 << 22
-# Past PAIRWISE_MAX_COMPARES, a top-k with k up to this many runs as k rounds of one fused argmax each; a larger k
-# runs `lax.top_k` (a sort on the GPU).
-ROUNDS_MAX_K = 8
-
-
-def _order_keys(values: jax.Array) -> jax.Array:
-  """int32 keys of float32 values in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < inf < +NaN), the order
-  `lax.top_k` ranks floats by."""
-  bits = lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
-  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
-def _top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]:
-  """`lax.top_k(values, k)` over the last axis (the k largest, in order, ties to the lower index, NaN by its sign),
-  as (ids, then the chosen entries of each array of `also`, same shape as values), bit for bit, in one of three
-  forms. Up to PAIRWISE_MAX_COMPARES, each entry's rank is the count of entries that beat it, so the whole choice is
-  a few fused compare-and-count reductions over (..., n, n): at decode a handful of small kernels where a sort-based
-  top-k launches many. Past it, with k up to ROUNDS_MAX_K, k rounds of one argmax each over the entries not yet
-  taken (a reduction of (free, key, index) triples: one kernel a round, where XLA's GPU top-k sorts every row);
-  else `lax.top_k` itself."""
-  n = values.shape[-1]
-  if not _pairwise(values):
-    ids = _top_k_ids(values, k)
-    return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also))
-  chosen = _chosen(values, k)
-  pick = lambda a: jnp.sum(jnp.where(chosen, a[..., None, :], 0), axis=-1)  # the one chosen entry, exactly
-  # float entries are picked as their bits: every value comes back as it was (-0.0 and a NaN's sign included)
-  picked = tuple(lax.bitcast_convert_type(pick(lax.bitcast_convert_type(a, jnp.int32)), a.dtype) for a in also)
-  return (pick(jnp.arange(n, dtype=jnp.int32)), *picked)
-
-
-def _pairwise(values: jax.Array) -> bool:
-  """Whether a choice over the last axis of values is made by compare-and-count (within PAIRWISE_MAX_COMPARES)."""
-  return values.size * values.shape[-1] <= PAIRWISE_MAX_COMPARES
-
-
-def _ranks(values: jax.Array) -> jax.Array:
-  """(..., n) int32: each entry's place in `lax.top_k`'s order of the last axis (0 for the largest; ties to the
-  lower index, NaN by its sign): the count of entries that beat it, one fused reduction over (..., n, n)."""
-  n = values.shape[-1]
-  key = _order_keys(values)
-  index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)
-  return jnp.sum(beats, axis=-1, dtype=jnp.int32)
-
-
-def _chosen(values: jax.Array, k: int) -> jax.Array:
-  """(..., k, n) bool: row j marks the entry of rank j (one True per row)."""
-  return _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
-
-
-def _top_k_ids(values: jax.Array, k: int) -> jax.Array:
-  """`lax.top_k(values, k)`'s ids past PAIRWISE_MAX_COMPARES: k rounds of one argmax, or lax.top_k for a large k."""
-  return _top_k_rounds(values, k) if k <= ROUNDS_MAX_K else lax.top_k(values, k)[1]
-
-
-def _in_top_k(values: jax.Array, k: int) -> jax.Array:
-  """(..., n) bool: whether each entry is among `lax.top_k(values, k)`'s (at decode its rank below k: no pick)."""
-  if _pairwise(values):
-    return _ranks(values) < k
-  ids = _top_k_ids(values, k)
-  return jnp.any(ids[..., :, None] == jnp.arange(values.shape[-1], dtype=jnp.int32), axis=-2)
-
-
-def _top_k_weighed(values: jax.Array, k: int, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(ids of `lax.top_k(values, k)`, weights at those ids), differentiable in weights. Compare-and-count picks both
-  in one fused reduction (a masked sum of a single term: the weight exactly, for weights that are never -0.0, as
-  probabilities and sigmoid scores are not); past it, ids as `_top_k` takes them and a gather."""
-  if not _pairwise(values):
-    ids = _top_k_ids(values, k)
-    return ids, jnp.take_along_axis(weights, ids, axis=-1)
-  n = values.shape[-1]
-  chosen = _chosen(values, k)
-  ids = jnp.sum(jnp.where(chosen, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
-  return ids, jnp.sum(jnp.where(chosen, weights[..., None, :], jnp.zeros((), weights.dtype)), axis=-1)
-
-
-def _better(a, b):
-  """The lexicographic max of two (free, key, index) triples: a free entry, then the larger key, then the lower
-  index (lax.top_k's tie rule). Associative and commutative, so XLA may reduce in any order."""
-  a_free, a_key, a_index = a
-  b_free, b_key, b_index = b
-  a_wins = (a_free > b_free) | ((a_free == b_free) & ((a_key > b_key) | ((a_key == b_key) & (a_index < b_index))))
-  return tuple(jnp.where(a_wins, x, y) for x, y in zip(a, b))
-
-
-def _top_k_rounds(values: jax.Array, k: int) -> jax.Array:
-  """The ids of `lax.top_k(values, k)`: round j takes the best entry not yet taken. The taken flag is part of the
-  reduced triple (not a sentinel key), so every key, the least included, ranks as in lax.top_k."""
-  n = values.shape[-1]
-  key = _order_keys(values)
-  index = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
-  taken = jnp.zeros(values.shape, bool)
-  ids = []
-  for _ in range(k):
-    free = jnp.where(taken, 0, 1).astype(jnp.int32)
-    best = lax.reduce((free, key, index), (jnp.int32(-1), jnp.int32(jnp.iinfo(jnp.int32).min), jnp.int32(n)),
-                      _better, (values.ndim - 1,))[2]
-    ids.append(best)
-    taken = taken | (index == best[..., None])
-  return jnp.stack(ids, axis=-1)
-
-
-# ---- the merged form: each row's p best entries as one reduction whose state is a sorted list ----------------------
-
-# The entry that ranks after every real one: the least key, and an index past any (a real entry of the least key,
-# -NaN of all ones, still wins on its index).
-_NO_ENTRY = (np.int32(np.iinfo(np.int32).min), np.int32(np.iinfo(np.int32).max))
-
-
-def _wins(a: tuple, b: tuple) -> jax.Array:
-  """Whether entry a = (key, index, ...) ranks before entry b in `lax.top_k`'s order: the larger key, then the lower
-  index. Real entries have distinct indices, so this is a strict total order on them."""
-  return (a[0] > b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
-
-
-def _either(take_a: jax.Array, a: tuple, b: tuple) -> tuple:
-  return tuple(jnp.where(take_a, x, y) for x, y in zip(a, b))
-
-
-def _merged(a: list, b: list) -> list:
-  """The best len(a) entries of lists a and b (each sorted best first, of one power-of-two length), sorted best first.
-  Against b reversed, the better of a[i] and b[-1 - i] at each i is the best half of the union (a sequence that falls,
-  then rises: bitonic), which a bitonic sorter's half-cleaners put in order. Associative and commutative, so XLA may
-  reduce in any order."""
-  p = len(a)
-  c = [_either(_wins(x, y), x, y) for x, y in zip(a, reversed(b))]
-  half = p // 2
-  while half:
-    for i in range(p):
-      if i % (2 * half) < half:
-        first = _wins(c[i], c[i + half])
-        c[i], c[i + half] = _either(first, c[i], c[i + half]), _either(first, c[i + half], c[i])
-    half //= 2
-  return c
-
-
-def _list_length(k: int) -> int:
-  return 1 << max(k - 1, 0).bit_length()
-
-
-def _best_lists(keys: jax.Array, p: int, index: jax.Array | None = None, payloads: tuple = (),
-                flag: jax.Array | None = None) -> tuple[list, jax.Array | None]:
-  """Each row of the last axis' p best entries (p a power of two), best first, in one `lax.reduce`: a list of p
-  (key, index, *payloads) tuples of shape keys.shape[:-1] (past a row's length, entries of `_NO_ENTRY`), and the
-  row's OR of `flag`. keys: int32 order keys; index: each entry's index (default its place in the row); payloads:
-  int32 arrays carried with their entries. One kernel where compare-and-count takes two or more and rounds of argmax
-  one a round."""
-  axis = keys.ndim - 1
-  index = lax.broadcasted_iota(jnp.int32, keys.shape, axis) if index is None else index
-  width = 2 + len(payloads)
-  none = (*_NO_ENTRY, *(np.int32(0),) * len(payloads))
-  operands = [keys, index, *payloads] + [jnp.full(keys.shape, v, jnp.int32) for _ in range(p - 1) for v in none]
-  inits = list(none) * p
-  if flag is not None:
-    operands.append(flag.astype(jnp.int32))
-    inits.append(np.int32(0))
-
-  def combine(a, b):
-    lists = [[tuple(x[i * width:(i + 1) * width]) for i in range(p)] for x in (a, b)]
-    out = [v for entry in _merged(*lists) for v in entry]
-    return (*out, *((jnp.maximum(a[-1], b[-1]),) if flag is not None else ()))
-
-  out = lax.reduce(tuple(operands), tuple(inits), combine, (axis,))
-  best = [tuple(out[i * width:(i + 1) * width]) for i in range(p)]
-  return best, (out[-1] > 0 if flag is not None else None)
-
-
-def _bits(x: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-
-
-def _float(bits: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _key_value(key: jax.Array) -> jax.Array:
-  """The float32 whose `_order_keys` key is `key` (the map is its own inverse on the bits)."""
-  return _float(jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key))
-
-
-def _ids_and_weights(best: list, k: int) -> tuple[jax.Array, jax.Array]:
-  """(ids (..., k), the first payload as float32 weights (..., k)) of a `_best_lists` list."""
-  return (jnp.stack([e[1] for e in best[:k]], axis=-1), jnp.stack([_float(e[2]) for e in best[:k]], axis=-1))
 
 
 def _kernel():
@@ -316,21 +127,6 @@ def _route(router, p: RoutePlan, logits: jax.Array, bias: jax.Array | None) -> t
     return (ids, weights), (np.zeros(ids.shape, jax.dtypes.float0), weights_dot)
 
   return route(logits, jnp.zeros((logits.shape[-1],), jnp.float32) if bias is None else bias)
-
-
-def _two_best_summed(grouped: jax.Array) -> jax.Array:
-  """Each group's two best values summed (..., G, n) -> (..., G); a NaN sum (inf + -inf: bias entries of both signs)
-  ranks last on every platform (-inf), not by the sign of the NaN it makes. With few values, the largest sum over
-  pairs of distinct entries: float addition is monotone in each operand, so that is the two best's sum, bit for bit,
-  in one fused reduction (a pair making NaN drops out; a token holding a NaN gets NaN weights whatever its group
-  scores, §8). With more, the two best by `_top_k`, then their sum."""
-  n = grouped.shape[-1]
-  if grouped.size * n > PAIRWISE_MAX_COMPARES:
-    s = _top_k(grouped, 2, grouped)[1].sum(-1)
-    return jnp.where(jnp.isnan(s), -jnp.inf, s)
-  pairs = grouped[..., :, None] + grouped[..., None, :]
-  distinct = lax.broadcasted_iota(jnp.int32, (n, n), 0) != lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return jnp.max(jnp.where(distinct & ~jnp.isnan(pairs), pairs, -jnp.inf), axis=(-2, -1))
 
 
 def _token_rows(router: str, logits) -> tuple[tuple[int, ...], int]:
@@ -441,9 +237,9 @@ class DeepSeekV3Router(_Routed):
     t = scores.shape[0]
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(t, self.n_group, e // self.n_group)
-    allowed = _in_top_k(_two_best_summed(grouped), self.topk_group)  # the topk_group best groups
+    allowed = topk.in_top_k(topk.two_best_summed(grouped), self.topk_group)  # the topk_group best groups
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
-    ids, weights = _top_k_weighed(masked, self.top_k, scores)
+    ids, weights = topk.top_k_weighed(masked, self.top_k, scores)
     return ids.astype(jnp.int32), _nan_tokens_get_nan(choice, self._normalized(weights))
 
   def choose_merged(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -454,14 +250,14 @@ class DeepSeekV3Router(_Routed):
     g, n = self.n_group, e // self.n_group
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
-    p = _list_length(max(self.top_k, 2))
+    p = topk.list_length(max(self.top_k, 2))
     index = (lax.broadcasted_iota(jnp.int32, (t, g, n), 2) + n * lax.broadcasted_iota(jnp.int32, (t, g, n), 1))
-    best, nan = _best_lists(_order_keys(choice).reshape(t, g, n), p, index, (_bits(scores).reshape(t, g, n),),
-                            jnp.isnan(choice).reshape(t, g, n))
-    two = _key_value(best[0][0]) + _key_value(best[1][0])  # each group's two best summed (n >= 2: both real)
-    group_key = _order_keys(jnp.where(jnp.isnan(two), -jnp.inf, two))  # a NaN sum (inf + -inf) ranks last
+    best, nan = topk.best_lists(topk.order_keys(choice).reshape(t, g, n), p, index,
+                                (topk.bits(scores).reshape(t, g, n),), jnp.isnan(choice).reshape(t, g, n))
+    two = topk.key_value(best[0][0]) + topk.key_value(best[1][0])  # each group's two best summed (n >= 2: both real)
+    group_key = topk.order_keys(jnp.where(jnp.isnan(two), -jnp.inf, two))  # a NaN sum (inf + -inf) ranks last
     column = [group_key[:, j] for j in range(g)]
-    masked_key = _order_keys(jnp.float32(-jnp.inf))
+    masked_key = topk.order_keys(jnp.float32(-jnp.inf))
     lists = []
     for j in range(g):
       # group j's rank: the groups that beat it (a higher score, or an equal one at a lower index), counted column
@@ -469,13 +265,13 @@ class DeepSeekV3Router(_Routed):
       rank = sum((column[h] >= column[j] if h < j else column[h] > column[j]).astype(jnp.int32)
                  for h in range(g) if h != j)
       # outside the chosen groups every biased score is -inf: the group's best are then its lowest indices
-      masked = [(jnp.full((t,), masked_key), jnp.full((t,), j * n + i, jnp.int32), _bits(scores[:, j * n + i]))
-                if i < n else tuple(jnp.full((t,), v, jnp.int32) for v in (*_NO_ENTRY, np.int32(0)))
+      masked = [(jnp.full((t,), masked_key), jnp.full((t,), j * n + i, jnp.int32), topk.bits(scores[:, j * n + i]))
+                if i < n else tuple(jnp.full((t,), v, jnp.int32) for v in (*topk.NO_ENTRY, np.int32(0)))
                 for i in range(p)]
-      lists.append([_either(rank < self.topk_group, tuple(x[:, j] for x in best[i]), masked[i]) for i in range(p)])
+      lists.append([topk.either(rank < self.topk_group, tuple(x[:, j] for x in best[i]), masked[i]) for i in range(p)])
     while len(lists) > 1:
-      lists = [_merged(lists[i], lists[i + 1]) for i in range(0, len(lists) - 1, 2)] + lists[len(lists) & ~1:]
-    ids, weights = _ids_and_weights(lists[0], self.top_k)
+      lists = [topk.merged(lists[i], lists[i + 1]) for i in range(0, len(lists) - 1, 2)] + lists[len(lists) & ~1:]
+    ids, weights = topk.ids_and_weights(lists[0], self.top_k)
     any_nan = functools.reduce(jnp.logical_or, [nan[:, j] for j in range(g)])
     return ids, jnp.where(any_nan[:, None], jnp.float32(jnp.nan), self._normalized(weights))
 
@@ -531,7 +327,7 @@ class Qwen3MoeRouter(_Routed):
     """XLA's choice on checked logits (T, E)."""
     del correction_bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    ids, weights = _top_k_weighed(probs, self.top_k, probs)
+    ids, weights = topk.top_k_weighed(probs, self.top_k, probs)
     return ids.astype(jnp.int32), _nan_tokens_get_nan(probs, self._normalized(weights))
 
   def choose_merged(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
@@ -539,9 +335,9 @@ class Qwen3MoeRouter(_Routed):
     for bit, its weights to float32 rounding)."""
     del correction_bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    best, nan = _best_lists(_order_keys(probs), _list_length(self.top_k), payloads=(_bits(probs),),
+    best, nan = topk.best_lists(topk.order_keys(probs), topk.list_length(self.top_k), payloads=(topk.bits(probs),),
                             flag=jnp.isnan(probs))
-    ids, weights = _ids_and_weights(best, self.top_k)
+    ids, weights = topk.ids_and_weights(best, self.top_k)
     return ids, jnp.where(nan[:, None], jnp.float32(jnp.nan), self._normalized(weights))
 
   def _normalized(self, weights: jax.Array) -> jax.Array:

@@ -418,8 +418,7 @@ def _time_other_combine(layer: Layer, plan, t: int, values, time_us, record) -> 
 
 
 def _time_other_route(layer: Layer, values, time_us, record) -> None:
-  """The route step again on each router implementation its plan did not pick, on the same inputs: its time, as
-  "route_<implementation>", and whether it chose the same ids (weights_max_diff: the largest weight difference)."""
+  """"route_<name>": the route on each router implementation its plan did not pick (same ids? weights_max_diff)."""
   router = _router(layer)
   logits = jax.eval_shape(router.logits, values["x"], values["gate_weight"])  # the routed logits' shape and dtype
   picked = router.explain(logits).implementation
