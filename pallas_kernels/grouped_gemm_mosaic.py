@@ -54,7 +54,7 @@ ITEM_FIELDS = 5  # batch, group, row block, lo, hi
 ITEM_LO, ITEM_HI = 3, 4
 # Up to this many (item, row) pairs `ragged_items_from_rows` builds the table as one fused reduction, past it with a
 # scatter
-GATHERED_TABLE_MAX = 1 << 16
+GATHERED_TABLE_MAX = 1 << 18
 ZERO_GROUP = -1
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -481,17 +481,22 @@ def ragged_items_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array
   permutation of [0, R), groups ascending, rows of no group last), within (R,) its index among its group's rows.
 
   A row begins a work item where it begins its group or a row tile; an item's index is the count of such rows before
-  it, its end the next one's start (or the last owned row). Two fused reductions over (R, R) and a scatter: for the
-  few rows of a decode call, fewer kernels than the per-group prologue. The items are those of `ragged_items` (the
+  it, its end the next one's start (or the last owned row). One reduction over (R, R), then one that picks each
+  item's row (a scatter past GATHERED_TABLE_MAX pairs): for the few rows of a decode call, fewer kernels than the
+  per-group prologue. The items are those of `ragged_items` (the
   padding ones: all fields 0)."""
   r = groups.shape[0]
   owned = (groups >= 0) & (groups < num_groups)
-  live = jnp.sum(owned, dtype=jnp.int32)
   starts = owned & ((within == 0) | (rows % tile_m == 0))
   earlier = starts[None, :] & (rows[None, :] < rows[:, None])  # [i, j]: row j starts an item before row i's
   later = starts[None, :] & (rows[None, :] > rows[:, None])
-  index = jnp.sum(earlier, axis=1, dtype=jnp.int32)
-  hi = jnp.minimum(jnp.min(jnp.where(later, rows[None, :], r), axis=1), live)
+  # an item's index, the next item's start and (in every row alike) the owned rows' count, as one variadic reduction:
+  # one kernel, whatever the compiler's sibling fusion does
+  counted = (earlier.astype(jnp.int32), jnp.where(later, rows[None, :], r),
+             jnp.broadcast_to(owned[None, :], (r, r)).astype(jnp.int32))
+  index, next_start, live = lax.reduce(counted, (np.int32(0), np.int32(r), np.int32(0)),
+                                       lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1]), a[2] + b[2]), (1,))
+  hi = jnp.minimum(next_start, live)
   num_items = ragged_num_items(r, num_groups, tile_m)
   fields = jnp.stack([jnp.zeros_like(rows), groups, rows // tile_m, rows, hi]).astype(jnp.int32)
   at = jnp.where(starts, index, num_items)  # rows that start no item: dropped

@@ -422,6 +422,26 @@ def test_dispatch_builds_one_work_item_table_for_both_gemms(monkeypatch, tokens,
 
 
 @needs_mosaic
+@pytest.mark.parametrize("tokens,e,h,i", [(1, 32, 7168, 2048), (1, 128, 2048, 768), (64, 128, 2048, 768)])
+def test_decode_dispatch_is_four_reductions(tokens, e, h, i):
+  """At decode the layer's dispatch (the order, its inverse, the live count and the GEMMs' work-item table) is four
+  reductions, each one kernel whatever XLA's sibling fusion does: the rank, index and live count of each slot; the
+  slot at each row; each item's start, end and the live count again; each item's fields picked. Nothing else in it
+  reduces (the group sizes are read by nothing at decode) and nothing scatters."""
+  with _platform.abstract_h200():
+    plan = moe.explain(jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
+                       jax.ShapeDtypeStruct((e, h, i), F8), 8)
+  assert plan.row_align == 1, str(plan)
+
+  def layer_reads(ids):
+    d = moe_layer.dispatch(ids, e, plan)
+    return d.order, d.rank, d.live, d.tables
+
+  text = jax.jit(layer_reads).lower(jax.ShapeDtypeStruct((tokens, 8), jnp.int32)).as_text()
+  assert text.count("stablehlo.reduce") == 4 and "scatter" not in text and "sort" not in text, text[-3000:]
+
+
+@needs_mosaic
 def test_layer_with_aligned_expert_rows_matches_reference(rng):
   """160 tokens x top-4 over 8 experts: the persistent schedule with each expert's rows from a 64-row boundary
   (the plan's row_align), the Mosaic kernels interpreted, against the reference; equal to the packed XLA layer up to

@@ -178,3 +178,20 @@ def test_plan_names_the_xla_form(monkeypatch):
     assert chosen.implementation == form and words in chosen.reason, chosen
   with pytest.raises(ValueError, match="implementation must be one of"):
     router.explain(logits, implementation="xla_sorted")
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_merged_choice_is_one_reduction(tokens):
+  """What the merged form is for: DeepSeek-V3's whole choice after the logits is one reduction (the groups' lists;
+  their ranking, the merge and the normalization are elementwise), Qwen3-MoE's the softmax's two and the list's, at
+  every token count; the compare-and-count form takes a reduction per step."""
+  deepseek, qwen3 = moe.DeepSeekV3Router(), moe.Qwen3MoeRouter()
+
+  def reductions(router, e, implementation):
+    bias = jnp.zeros((e,), jnp.float32) if router.uses_correction_bias else None
+    text = jax.jit(lambda l: router(l, bias, implementation=implementation)).lower(
+        jax.ShapeDtypeStruct((tokens, e), jnp.float32)).as_text()
+    return text.count("stablehlo.reduce")
+
+  assert reductions(deepseek, 256, "xla_merge") == 1 and reductions(qwen3, 128, "xla_merge") == 3
+  assert reductions(deepseek, 256, "xla") >= 6

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxfp8 import grouped, quant
@@ -89,14 +90,14 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   ids = slot_ids.reshape(-1).astype(jnp.int32)
   n = ids.shape[0]
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
-  # the slots of some expert, counted from the keys (one reduction; at decode nothing else reads the group sizes,
-  # whose kernel then drops out)
-  live = jnp.sum(key < experts, dtype=jnp.int32)
   if n * n <= topk.PAIRWISE_MAX_COMPARES:
     earlier = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
     same_earlier = (key[None, :] == key[:, None]) & earlier
-    rank = jnp.sum((key[None, :] < key[:, None]) | same_earlier, axis=1, dtype=jnp.int32)
-    within = jnp.sum(same_earlier, axis=1, dtype=jnp.int32)  # the same reduction's sibling: one fused kernel
+    # each slot's row, its index among its expert's slots and (in every row alike) the live count, as one variadic
+    # reduction over (R, R): one kernel, whatever the compiler's sibling fusion does
+    rank, within, live = _sums(((key[None, :] < key[:, None]) | same_earlier, same_earlier,
+                                jnp.broadcast_to(key[None, :] < experts, (n, n))))
+    live = live[0] if n else jnp.int32(0)
     # the slot at each row, as one fused reduction over (R, R) (a scatter would be a zero fill and a scatter kernel)
     order = jnp.sum(jnp.where(rank[None, :] == lax.broadcasted_iota(jnp.int32, (n, n), 0),
                               lax.broadcasted_iota(jnp.int32, (n, n), 1), 0), axis=1, dtype=jnp.int32)
@@ -111,15 +112,24 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     order = _inverse(rank)
     within = None  # from the group sizes: pairwise tables over this many rows would be too large
     group_sizes = sizes[:experts]
+    live = jnp.sum(key < experts, dtype=jnp.int32)
   else:
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     rank = _inverse(order)
     within = None
     group_sizes = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
+    live = jnp.sum(key < experts, dtype=jnp.int32)
   if plan is not None and plan.row_align > 1:
     return _aligned(key, rank, group_sizes, plan)
   d = Dispatch(order, rank, group_sizes, live)
   return d if plan is None else with_tables(d, plan, key, within)
+
+
+def _sums(masks: tuple) -> tuple:
+  """The row sums (axis 1) of same-shape boolean masks, as int32, in one variadic reduction."""
+  zero = np.int32(0)
+  return lax.reduce(tuple(m.astype(jnp.int32) for m in masks), (zero,) * len(masks),
+                    lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
 
 
 def _exclusive_sum(x: jax.Array) -> jax.Array:

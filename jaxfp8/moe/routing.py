@@ -129,6 +129,12 @@ def _route(router, p: RoutePlan, logits: jax.Array, bias: jax.Array | None) -> t
   return route(logits, jnp.zeros((logits.shape[-1],), jnp.float32) if bias is None else bias)
 
 
+def _in_order_sum(weights: jax.Array) -> jax.Array:
+  """(..., 1): the k weights of each token summed in slot order, as elementwise adds (no reduction kernel: they
+  fuse with the choice's last pass)."""
+  return functools.reduce(jnp.add, [weights[..., j:j + 1] for j in range(weights.shape[-1])])
+
+
 def _token_rows(router: str, logits) -> tuple[tuple[int, ...], int]:
   """(the tokens' leading shape, E) of logits (..., E), checked."""
   _checks.array("logits", logits, _checks.FLOAT_DTYPES, ndim=None)
@@ -278,7 +284,7 @@ class DeepSeekV3Router(_Routed):
   def _normalized(self, weights: jax.Array) -> jax.Array:
     """The chosen scores normalized (with norm_topk_prob) and scaled."""
     if self.norm_topk_prob:
-      weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+      weights = weights / (_in_order_sum(weights) + 1e-20)
     return weights * jnp.float32(self.routed_scaling_factor)
 
   def weights_of(self, logits: jax.Array, correction_bias: jax.Array, ids: jax.Array) -> jax.Array:
@@ -342,7 +348,7 @@ class Qwen3MoeRouter(_Routed):
 
   def _normalized(self, weights: jax.Array) -> jax.Array:
     """The chosen probabilities renormalized (with norm_topk_prob)."""
-    return weights / weights.sum(-1, keepdims=True) if self.norm_topk_prob else weights
+    return weights / _in_order_sum(weights) if self.norm_topk_prob else weights
 
   def weights_of(self, logits: jax.Array, correction_bias, ids: jax.Array) -> jax.Array:
     """The weights of the experts `ids` (T, k) chose from logits (T, E) (differentiable in the logits)."""
