@@ -2,8 +2,9 @@
 lists, DeepSeek-V3's group choice merged elementwise after it.
 
 On CPU: the list reduction against `lax.top_k` bit for bit (ids, values and carried payloads; ties, infinities,
-NaN of both signs, the least key), each router's ids against implementation="xla" bit for bit and its weights to
-float32 rounding (ties and infinities in logits and bias), the float64 reference, §8's NaN rule, gradients and vmap
+NaN of both signs, the least key), each router's ids against implementation="xla" bit for bit (Qwen3-MoE's ranked by
+its logits: equal but where two logits round to one probability) and its weights to float32 rounding (ties, signed
+zeros and infinities in logits and bias), the float64 reference, §8's NaN rule, gradients and vmap
 as the other implementations give them, and the plan's reasons.
 """
 
@@ -91,15 +92,28 @@ def test_deepseek_v3_merge_chooses_as_xla_does(rng, e, n_group, topk_group, top_
 
 
 @pytest.mark.parametrize("e,top_k", [(128, 8), (60, 4), (8, 2), (5, 5), (3, 1)])
-@pytest.mark.parametrize("kind", ["normal", "ties"])
-def test_qwen3_merge_chooses_as_xla_does(rng, e, top_k, kind):
-  router = moe.Qwen3MoeRouter(top_k=top_k)
+@pytest.mark.parametrize("kind", ["normal", "ties", "bfloat16", "infinities"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qwen3_merge_chooses_as_xla_does(rng, e, top_k, kind, norm):
+  """Ties (integers, signed zeros, bfloat16 logits as the model rounds them) go to the lower index in both forms;
+  -inf is probability 0; a token with +inf gets NaN weights in both (its ids are then any k distinct experts)."""
+  router = moe.Qwen3MoeRouter(top_k=top_k, norm_topk_prob=norm)
   logits = (rng.standard_normal((97, e)) * 2).astype(np.float32)
-  logits = jnp.asarray(np.round(logits) if kind == "ties" else logits)
-  want_ids, want_weights = router(logits, implementation="xla")
-  ids, weights = router(logits, implementation="xla_merge")
-  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-  np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=8 * 2.0**-24, atol=0)
+  if kind == "ties":
+    logits = np.round(logits)
+  if kind == "infinities":
+    flat = logits.reshape(-1)
+    where = rng.choice(flat.size, flat.size // 10, replace=False)
+    flat[where] = rng.choice(np.array([np.inf, -np.inf, -np.inf, -np.inf], np.float32), where.size)
+  logits = jnp.asarray(logits, jnp.bfloat16 if kind == "bfloat16" else jnp.float32)
+  want_ids, want_weights = (np.asarray(a) for a in router(logits, implementation="xla"))
+  ids, weights = (np.asarray(a) for a in router(logits, implementation="xla_merge"))
+  nan = np.isnan(want_weights).any(-1)
+  np.testing.assert_array_equal(np.isnan(weights).any(-1), nan)
+  np.testing.assert_array_equal(np.isnan(weights).all(-1), nan)
+  np.testing.assert_array_equal(ids[~nan], want_ids[~nan])
+  np.testing.assert_allclose(weights[~nan], want_weights[~nan], rtol=8 * 2.0**-24, atol=0)
+  assert all(len(set(row)) == top_k and 0 <= row.min() and row.max() < e for row in ids)
 
 
 @pytest.mark.parametrize("e,n_group,topk_group,top_k,norm", [(256, 8, 4, 8, True), (64, 8, 3, 6, False)])
@@ -182,9 +196,10 @@ def test_plan_names_the_xla_form(monkeypatch):
 
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_merged_choice_is_one_reduction(tokens):
-  """What the merged form is for: DeepSeek-V3's whole choice after the logits is one reduction (the groups' lists;
-  their ranking, the merge and the normalization are elementwise), Qwen3-MoE's the softmax's two and the list's, at
-  every token count; the compare-and-count form takes a reduction per step."""
+  """What the merged form is for: each router's whole choice after the logits is one reduction at every token count
+  (DeepSeek-V3: the groups' lists, then their ranking, the merge and the normalization elementwise; Qwen3-MoE with
+  norm_topk_prob: the logits' list, the softmax over the k alone; without it the softmax's two reductions come
+  first); the compare-and-count form takes a reduction per step."""
   deepseek, qwen3 = moe.DeepSeekV3Router(), moe.Qwen3MoeRouter()
 
   def reductions(router, e, implementation):
@@ -193,5 +208,6 @@ def test_merged_choice_is_one_reduction(tokens):
         jax.ShapeDtypeStruct((tokens, e), jnp.float32)).as_text()
     return text.count("stablehlo.reduce")
 
-  assert reductions(deepseek, 256, "xla_merge") == 1 and reductions(qwen3, 128, "xla_merge") == 3
+  assert reductions(deepseek, 256, "xla_merge") == 1 and reductions(qwen3, 128, "xla_merge") == 1
+  assert reductions(moe.Qwen3MoeRouter(norm_topk_prob=False), 128, "xla_merge") == 3
   assert reductions(deepseek, 256, "xla") >= 6

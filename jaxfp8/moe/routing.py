@@ -10,7 +10,8 @@ compare-and-count top-k below (a chain of small fused reductions: about ten kern
 token), "xla_merge", each row's best entries as one reduction whose state is a sorted list (`topk.best_lists`; the
 groups' lists merged after it), and "mosaic", one Mosaic GPU kernel for the whole chain
 (pallas_kernels/route_topk_mosaic.py), the default on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the
-problem (Qwen3's softmax router; DeepSeek-V3's is slower than XLA's). All give `lax.top_k`'s ids on the same values;
+problem (Qwen3's softmax router; DeepSeek-V3's is slower than XLA's). All give `lax.top_k`'s ids on the same values
+(Qwen3's merged form on the logits, whose order the probabilities keep but where two round to one);
 the weights may differ by the rounding of each one's exp and k-term sum (§8: weights to float32 rounding). All are
 differentiable in the logits (the Mosaic one and the merged form through the XLA weights of the ids they chose) and
 take `jax.vmap`."""
@@ -337,14 +338,27 @@ class Qwen3MoeRouter(_Routed):
     return ids.astype(jnp.int32), _nan_tokens_get_nan(probs, self._normalized(weights))
 
   def choose_merged(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
-    """XLA's choice in the merged form: the top_k of each token's probabilities in one reduction (`choose`'s ids bit
-    for bit, its weights to float32 rounding)."""
+    """XLA's choice in the merged form: with norm_topk_prob, the top_k of each token's logits in one reduction and
+    their softmax over the k alone (exp(l - max) / its k-term sum: the full softmax's denominator cancels, so no
+    softmax kernel runs); the softmax's order is the logits' (ties to the lower index either way: the ids differ from
+    `choose`'s only where two distinct logits round to one probability, a tie to float32 rounding), the weights to
+    float32 rounding. Without it, the top_k of the probabilities (`choose`'s ids bit for bit)."""
     del correction_bias
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    values = logits.astype(jnp.float32)
+    if self.norm_topk_prob:
+      # the probabilities hold a NaN where a logit is NaN or +inf (inf / inf)
+      # -0.0 and +0.0 are one probability: one key (then the lower index wins, as among equal probabilities)
+      best, nan = topk.best_lists(topk.order_keys(jnp.where(values == 0, 0.0, values)), topk.list_length(self.top_k),
+                                  flag=jnp.isnan(values) | (values == jnp.inf))
+      ids = jnp.stack([e[1] for e in best[:self.top_k]], axis=-1)
+      top = jnp.stack([topk.key_value(e[0]) for e in best[:self.top_k]], axis=-1)
+      weights = jnp.exp(top - top[..., :1])  # the first is the row's largest logit
+      return ids, jnp.where(nan[:, None], jnp.float32(jnp.nan), weights / _in_order_sum(weights))
+    probs = jax.nn.softmax(values, axis=-1)
     best, nan = topk.best_lists(topk.order_keys(probs), topk.list_length(self.top_k), payloads=(topk.bits(probs),),
-                            flag=jnp.isnan(probs))
+                                flag=jnp.isnan(probs))
     ids, weights = topk.ids_and_weights(best, self.top_k)
-    return ids, jnp.where(nan[:, None], jnp.float32(jnp.nan), self._normalized(weights))
+    return ids, jnp.where(nan[:, None], jnp.float32(jnp.nan), weights)
 
   def _normalized(self, weights: jax.Array) -> jax.Array:
     """The chosen probabilities renormalized (with norm_topk_prob)."""
