@@ -129,6 +129,20 @@ def test_qwen3_router_matches_reference(rng, e, top_k, norm):
   _assert_routes(ids, weights, want_ids, want_weights, _margins(probs / probs.sum(-1, keepdims=True), top_k))
 
 
+def top_k_values(rng, shape, kind):
+  """float32 values to rank: "normal", "ties" (halves), or "specials" (a quarter of them inf, -inf, NaN of both
+  signs, signed zeros, and the NaN whose order key is the least int32)."""
+  v = rng.standard_normal(shape).astype(np.float32)
+  if kind == "ties":
+    v = np.round(v * 2) / 2
+  if kind == "specials":
+    flat = v.reshape(-1)
+    where = rng.choice(flat.size, max(1, flat.size // 4), replace=False)
+    least = np.array([0xFFFFFFFF], np.uint32).view(np.float32)[0]
+    flat[where] = rng.choice(np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, least], np.float32), where.size)
+  return v
+
+
 # each form of the choice: the compare-and-count (within topk.PAIRWISE_MAX_COMPARES; (300, 256) is past it), the
 # rounds of argmax (past it, k <= ROUNDS_MAX_K) and lax.top_k itself; the chosen entries picked or gathered
 @pytest.mark.parametrize("shape, k", [((300, 256), 8), ((5, 8, 32), 2), ((7, 8), 4), ((64, 128), 8), ((1, 256), 8),
@@ -141,14 +155,7 @@ def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, monkeypatch, shape, k, valu
   if form != "shipped":
     monkeypatch.setattr(topk, "PAIRWISE_MAX_COMPARES", 0)
     monkeypatch.setattr(topk, "ROUNDS_MAX_K", k if form == "rounds" else 0)
-  v = rng.standard_normal(shape).astype(np.float32)
-  if values == "ties":
-    v = np.round(v * 2) / 2
-  if values == "specials":
-    flat = v.reshape(-1)
-    where = rng.choice(flat.size, max(1, flat.size // 4), replace=False)
-    least = np.array([0xFFFFFFFF], np.uint32).view(np.float32)[0]  # the NaN whose key is the least int32
-    flat[where] = rng.choice(np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, least], np.float32), where.size)
+  v = top_k_values(rng, shape, values)
   want_v, want_i = lax.top_k(jnp.asarray(v), k)
   other = rng.standard_normal(shape).astype(np.float32)
   got_i, got_v, got_other = topk.top_k(jnp.asarray(v), k, jnp.asarray(v), jnp.asarray(other))

@@ -20,29 +20,14 @@ from jaxfp8 import moe
 from jaxfp8 import reference as ref
 from jaxfp8.moe import routing, topk
 
-from test_moe import _assert_routes, _deepseek_margin, _margins
+from test_moe import _assert_routes, _deepseek_margin, _margins, top_k_values
 from test_moe_hardening import _assert_nan_rule, _poisoned_logits
-
-LEAST_KEY_NAN = np.array([0xFFFFFFFF], np.uint32).view(np.float32)[0]  # -NaN whose order key is the least int32
-
-
-def _values(rng, shape, kind):
-  v = rng.standard_normal(shape).astype(np.float32)
-  if kind == "ties":
-    v = np.round(v * 2) / 2
-  if kind == "specials":
-    flat = v.reshape(-1)
-    where = rng.choice(flat.size, max(1, flat.size // 4), replace=False)
-    flat[where] = rng.choice(np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, LEAST_KEY_NAN], np.float32),
-                             where.size)
-  return v
-
 
 @pytest.mark.parametrize("shape, k", [((300, 256), 8), ((5, 8, 32), 2), ((7, 8), 4), ((1, 256), 8), ((3, 2), 2),
                                       ((4, 5), 5), ((6, 3), 1), ((9, 128), 3)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "specials"])
 def test_best_lists_are_lax_top_k_bit_for_bit(rng, shape, k, kind):
-  v = _values(rng, shape, kind)
+  v = top_k_values(rng, shape, kind)
   other = rng.standard_normal(shape).astype(np.float32)
   flag = rng.random(shape) < 0.05
   want_v, want_i = (np.asarray(a) for a in lax.top_k(jnp.asarray(v), k))
