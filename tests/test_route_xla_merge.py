@@ -172,9 +172,16 @@ def test_plan_names_the_xla_form(monkeypatch):
   named = router.explain(logits, implementation="xla_merge")
   assert named.implementation == "xla_merge" and "asked for" in named.reason
   for form, words in (("xla", "compare-and-count"), ("xla_merge", "one reduction over sorted lists")):
-    monkeypatch.setattr(routing, "XLA_DEFAULT", form)
+    monkeypatch.setitem(routing.XLA_DEFAULT, "sigmoid", form)
     chosen = router.explain(logits)
     assert chosen.implementation == form and words in chosen.reason, chosen
+  # each family's default is its own: Qwen3-MoE's softmax scoring takes the merged form, DeepSeek-V3 stays
+  monkeypatch.setitem(routing.XLA_DEFAULT, "sigmoid", "xla")
+  monkeypatch.setitem(routing.XLA_DEFAULT, "softmax", "xla_merge")
+  assert moe.Qwen3MoeRouter().explain(jax.ShapeDtypeStruct((4, 128), jnp.float32)).implementation == "xla_merge"
+  assert router.explain(logits).implementation == "xla"
+  for each in (router, moe.Qwen3MoeRouter()):
+    assert each.kernel_routing().scoring == each.SCORING
   with pytest.raises(ValueError, match="implementation must be one of"):
     router.explain(logits, implementation="xla_sorted")
 

@@ -38,7 +38,7 @@ IMPLEMENTATIONS = ("mosaic", "xla", "xla_merge")
 # chain of fused reductions, a kernel each: ten for DeepSeek-V3's router at one token, 12.5 us on the H200), or
 # "xla_merge", each row's k best as one reduction over sorted lists (`topk.best_lists`: DeepSeek-V3's whole choice after
 # the logits in one reduction and one elementwise kernel). "xla_merge" stays named-only until an H200 times it.
-XLA_DEFAULT = "xla"
+XLA_DEFAULT = {"sigmoid": "xla", "softmax": "xla"}  # per scoring: DeepSeek-V3's sigmoid, Qwen3-MoE's softmax
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
 # scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
 # XLA's 5.4 / 5.8 / 7.1 / 14.3 / 21.7 at 1 / 8 / 64 / 512 / 4096 tokens (level at 8, 1.2x faster at 64, 3x at 4096).
@@ -71,7 +71,8 @@ def plan(router, tokens: int, experts: int, dtype, implementation: str | None = 
     return RoutePlan(implementation, None, interpret, f"implementation={implementation!r} was asked for")
 
   def xla(why: str) -> RoutePlan:
-    return RoutePlan(XLA_DEFAULT, None, interpret, f"{_XLA_FORMS[XLA_DEFAULT]} ({why})")
+    form = XLA_DEFAULT[router.SCORING]
+    return RoutePlan(form, None, interpret, f"{_XLA_FORMS[form]} ({why})")
 
   why = _platform.unavailable_reason("the Mosaic GPU router", device, interpret, hopper=True, module=KERNEL_MODULE)
   spec = None if why else router.kernel_routing()
@@ -202,6 +203,7 @@ class DeepSeekV3Router(_Routed):
                        f"n_group={self.n_group} groups of {per_group} experts")
 
   uses_correction_bias = True
+  SCORING = "sigmoid"
 
   @staticmethod
   def logits(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
@@ -308,6 +310,7 @@ class Qwen3MoeRouter(_Routed):
       raise ValueError(f"top_k={self.top_k} exceeds the number of experts {num_experts}")
 
   uses_correction_bias = False
+  SCORING = "softmax"
 
   @staticmethod
   def logits(x: jax.Array, gate_weight: jax.Array) -> jax.Array:
