@@ -35,9 +35,11 @@ from jaxfp8.moe import topk
 KERNEL_MODULE = "pallas_kernels.route_topk_mosaic"
 IMPLEMENTATIONS = ("mosaic", "xla", "xla_merge")
 # Where the Mosaic router does not run by default, XLA's choice in this form: "xla", the compare-and-count top-k (a
-# chain of fused reductions, a kernel each: ten for DeepSeek-V3's router at one token, 12.5 us on the H200), or
-# "xla_merge", each row's k best as one reduction over sorted lists (`topk.best_lists`: DeepSeek-V3's whole choice after
-# the logits in one reduction and one elementwise kernel). "xla_merge" stays named-only until an H200 times it.
+# chain of fused reductions, a kernel each), or "xla_merge", each row's k best as one reduction over sorted lists
+# (`topk.best_lists`). H100, CUPTI, the MoE bench's route step (same logits, same ids): DeepSeek-V3 "xla" 11.6 / 19.6
+# us at 1 / 64 tokens, "xla_merge" 28.7 / 23.7 (XLA splits the groups' elementwise merge into many loop fusions, and
+# the k outputs' stacking into concatenates: 15 kernels at one token); Qwen3-MoE "xla" 6.3 us at one token,
+# "xla_merge" 6.5; at 64 tokens "xla_merge" 8.2 against the Mosaic router's 9.3 (one point: not yet the default).
 XLA_DEFAULT = {"sigmoid": "xla", "softmax": "xla"}  # per scoring: DeepSeek-V3's sigmoid, Qwen3-MoE's softmax
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
 # scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
