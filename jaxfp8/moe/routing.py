@@ -38,7 +38,8 @@ IMPLEMENTATIONS = ("mosaic", "xla", "xla_merge")
 # chain of fused reductions, a kernel each), or "xla_merge", each row's k best as one reduction over sorted lists
 # (`topk.best_lists`). H100, CUPTI, the MoE bench's route step (same logits, same ids): DeepSeek-V3 "xla" 11.6 / 19.6
 # us at 1 / 64 tokens, "xla_merge" 28.7 / 23.7 (XLA splits the groups' elementwise merge into many loop fusions, and
-# the k outputs' stacking into concatenates: 15 kernels at one token); Qwen3-MoE "xla" 6.3 us at one token,
+# the k outputs' stacking into concatenates: 15 kernels at one token; the merge is now a reduction over the groups,
+# not yet timed); Qwen3-MoE "xla" 6.3 us at one token,
 # "xla_merge" 6.5; at 64 tokens "xla_merge" 8.2 against the Mosaic router's 9.3 (one point: not yet the default).
 XLA_DEFAULT = {"sigmoid": "xla", "softmax": "xla"}  # per scoring: DeepSeek-V3's sigmoid, Qwen3-MoE's softmax
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
@@ -229,7 +230,7 @@ class DeepSeekV3Router(_Routed):
   def __call__(self, logits: jax.Array, correction_bias: jax.Array | None, *, implementation: str | None = None,
                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """logits (..., E), correction_bias (E,) -> (ids int32 (..., top_k), weights float32 (..., top_k)).
-    implementation: "mosaic", "xla" or None (`explain` says which runs and why)."""
+    implementation: "mosaic", "xla", "xla_merge" or None (`explain` says which runs and why)."""
     lead, e = _token_rows("DeepSeekV3Router", logits)
     self.validate(e)
     if correction_bias is None:
@@ -255,8 +256,9 @@ class DeepSeekV3Router(_Routed):
 
   def choose_merged(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """XLA's choice in the merged form: each group's best entries in one reduction (its first two summed are the
-    group's score), then the groups ranked and the topk_group best groups' lists merged, elementwise over the
-    tokens: `choose`'s ids bit for bit, its weights to float32 rounding."""
+    group's score), the groups ranked, and the lists (the other groups' at -inf) merged by a second reduction over
+    the groups: `choose`'s ids bit for bit on every token without a NaN (§8 leaves a NaN token's ids open), its
+    weights to float32 rounding."""
     t, e = logits.shape
     g, n = self.n_group, e // self.n_group
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
@@ -267,23 +269,23 @@ class DeepSeekV3Router(_Routed):
                                 (topk.bits(scores).reshape(t, g, n),), jnp.isnan(choice).reshape(t, g, n))
     two = topk.key_value(best[0][0]) + topk.key_value(best[1][0])  # each group's two best summed (n >= 2: both real)
     group_key = topk.order_keys(jnp.where(jnp.isnan(two), -jnp.inf, two))  # a NaN sum (inf + -inf) ranks last
-    column = [group_key[:, j] for j in range(g)]
+    # a group's rank: the groups that beat it (a higher score, or an equal one at a lower index)
+    h, j = lax.broadcasted_iota(jnp.int32, (g, g), 1), lax.broadcasted_iota(jnp.int32, (g, g), 0)
+    beats = jnp.where(h < j, group_key[:, None, :] >= group_key[:, :, None],
+                      group_key[:, None, :] > group_key[:, :, None]) & (h != j)
+    chosen = jnp.sum(beats, axis=-1) < self.topk_group  # (t, g)
+    # outside the chosen groups every biased score is -inf: the group's best are then its lowest indices
+    group = lax.broadcasted_iota(jnp.int32, (t, g), 1)
     masked_key = topk.order_keys(jnp.float32(-jnp.inf))
     lists = []
-    for j in range(g):
-      # group j's rank: the groups that beat it (a higher score, or an equal one at a lower index), counted column
-      # by column so that XLA fuses it with the merge below
-      rank = sum((column[h] >= column[j] if h < j else column[h] > column[j]).astype(jnp.int32)
-                 for h in range(g) if h != j)
-      # outside the chosen groups every biased score is -inf: the group's best are then its lowest indices
-      masked = [(jnp.full((t,), masked_key), jnp.full((t,), j * n + i, jnp.int32), topk.bits(scores[:, j * n + i]))
-                if i < n else tuple(jnp.full((t,), v, jnp.int32) for v in (*topk.NO_ENTRY, np.int32(0)))
-                for i in range(p)]
-      lists.append([topk.either(rank < self.topk_group, tuple(x[:, j] for x in best[i]), masked[i]) for i in range(p)])
-    while len(lists) > 1:
-      lists = [topk.merged(lists[i], lists[i + 1]) for i in range(0, len(lists) - 1, 2)] + lists[len(lists) & ~1:]
-    ids, weights = topk.ids_and_weights(lists[0], self.top_k)
-    any_nan = functools.reduce(jnp.logical_or, [nan[:, j] for j in range(g)])
+    for i in range(p):
+      masked = ((jnp.full((t, g), masked_key), group * n + i, topk.bits(scores.reshape(t, g, n)[:, :, i])) if i < n
+                else tuple(jnp.full((t, g), v, jnp.int32) for v in (*topk.NO_ENTRY, np.int32(0))))
+      lists.append(topk.either(chosen, best[i], masked))
+    # the groups' lists merged by a second reduction over the groups (unrolled, XLA's compilers copy the merges'
+    # shared compares into every consumer: a program hundreds of times larger)
+    ids, weights = topk.ids_and_weights(topk.merged_along(lists, 1), self.top_k)
+    any_nan = jnp.any(nan, axis=-1)
     return ids, jnp.where(any_nan[:, None], jnp.float32(jnp.nan), self._normalized(weights))
 
   def _normalized(self, weights: jax.Array) -> jax.Array:
@@ -327,7 +329,7 @@ class Qwen3MoeRouter(_Routed):
   def __call__(self, logits: jax.Array, correction_bias: jax.Array | None = None, *,
                implementation: str | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """logits (..., E) -> (ids int32 (..., top_k), weights float32 (..., top_k)). Qwen3 has no correction bias.
-    implementation: "mosaic", "xla" or None (`explain` says which runs and why)."""
+    implementation: "mosaic", "xla", "xla_merge" or None (`explain` says which runs and why)."""
     lead, e = _token_rows("Qwen3MoeRouter", logits)
     if correction_bias is not None:
       raise ValueError("Qwen3MoeRouter takes no correction_bias (that is DeepSeek-V3's router), got an array of "

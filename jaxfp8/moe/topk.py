@@ -182,6 +182,20 @@ def best_lists(keys: jax.Array, p: int, index: jax.Array | None = None, payloads
   return best, (out[-1] > 0 if flag is not None else None)
 
 
+def merged_along(lists: list, axis: int) -> list:
+  """The p best entries of the sorted lists `lists` holds along `axis` (a list of p (key, index, *payloads) tuples
+  of arrays, each a sorted list at every place of that axis), merged by one `lax.reduce` over it."""
+  p, width = len(lists), len(lists[0])
+  none = (*NO_ENTRY, *(np.int32(0),) * (width - 2))
+
+  def combine(a, b):
+    return tuple(v for entry in merged(*[[tuple(x[i * width:(i + 1) * width]) for i in range(p)] for x in (a, b)])
+                 for v in entry)
+
+  out = lax.reduce(tuple(v for entry in lists for v in entry), none * p, combine, (axis,))
+  return [tuple(out[i * width:(i + 1) * width]) for i in range(p)]
+
+
 def bits(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
 
