@@ -284,8 +284,8 @@ class DeepSeekV3Router(_Routed):
       lists.append(topk.either(chosen, best[i], masked))
     # the groups' lists merged by a second reduction over the groups (unrolled, XLA's compilers copy the merges'
     # shared compares into every consumer: a program hundreds of times larger)
-    ids, weights = topk.ids_and_weights(topk.merged_along(lists, 1), self.top_k)
-    any_nan = jnp.any(nan, axis=-1)
+    merged, any_nan = topk.merged_along(lists, 1, nan)
+    ids, weights = topk.ids_and_weights(merged, self.top_k)
     return ids, jnp.where(any_nan[:, None], jnp.float32(jnp.nan), self._normalized(weights))
 
   def _normalized(self, weights: jax.Array) -> jax.Array:

@@ -164,36 +164,30 @@ def best_lists(keys: jax.Array, p: int, index: jax.Array | None = None, payloads
   one a round."""
   axis = keys.ndim - 1
   index = lax.broadcasted_iota(jnp.int32, keys.shape, axis) if index is None else index
-  width = 2 + len(payloads)
   none = (*NO_ENTRY, *(np.int32(0),) * len(payloads))
-  operands = [keys, index, *payloads] + [jnp.full(keys.shape, v, jnp.int32) for _ in range(p - 1) for v in none]
-  inits = list(none) * p
+  # each entry alone is a sorted list: itself, then p - 1 entries that rank after every real one
+  singles = [(keys, index, *payloads)] + [tuple(jnp.full(keys.shape, v, jnp.int32) for v in none)] * (p - 1)
+  return merged_along(singles, axis, flag)
+
+
+def merged_along(lists: list, axis: int, flag: jax.Array | None = None) -> tuple[list, jax.Array | None]:
+  """The p best entries of the sorted lists `lists` holds along `axis` (a list of p (key, index, *payloads) tuples
+  of arrays, each a sorted list at every place of that axis), merged by one `lax.reduce` over it, and the OR of
+  `flag` along it (None without one)."""
+  p, width = len(lists), len(lists[0])
+  none = (*NO_ENTRY, *(np.int32(0),) * (width - 2))
+  operands, inits = [v for entry in lists for v in entry], list(none) * p
   if flag is not None:
     operands.append(flag.astype(jnp.int32))
     inits.append(np.int32(0))
 
   def combine(a, b):
-    lists = [[tuple(x[i * width:(i + 1) * width]) for i in range(p)] for x in (a, b)]
-    out = [v for entry in merged(*lists) for v in entry]
+    out = [v for entry in merged(*[[tuple(x[i * width:(i + 1) * width]) for i in range(p)] for x in (a, b)])
+           for v in entry]
     return (*out, *((jnp.maximum(a[-1], b[-1]),) if flag is not None else ()))
 
   out = lax.reduce(tuple(operands), tuple(inits), combine, (axis,))
-  best = [tuple(out[i * width:(i + 1) * width]) for i in range(p)]
-  return best, (out[-1] > 0 if flag is not None else None)
-
-
-def merged_along(lists: list, axis: int) -> list:
-  """The p best entries of the sorted lists `lists` holds along `axis` (a list of p (key, index, *payloads) tuples
-  of arrays, each a sorted list at every place of that axis), merged by one `lax.reduce` over it."""
-  p, width = len(lists), len(lists[0])
-  none = (*NO_ENTRY, *(np.int32(0),) * (width - 2))
-
-  def combine(a, b):
-    return tuple(v for entry in merged(*[[tuple(x[i * width:(i + 1) * width]) for i in range(p)] for x in (a, b)])
-                 for v in entry)
-
-  out = lax.reduce(tuple(v for entry in lists for v in entry), none * p, combine, (axis,))
-  return [tuple(out[i * width:(i + 1) * width]) for i in range(p)]
+  return [tuple(out[i * width:(i + 1) * width]) for i in range(p)], (out[-1] > 0 if flag is not None else None)
 
 
 def bits(x: jax.Array) -> jax.Array:
