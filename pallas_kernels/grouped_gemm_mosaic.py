@@ -475,7 +475,7 @@ def ragged_items(group_sizes: jax.Array, m: int, tile_m: int, zero_unowned_rows:
 
 
 def ragged_items_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array, num_groups: int,
-                           tile_m: int) -> jax.Array:
+                           tile_m: int, with_inverse: bool = False):
   """`ragged_items` with zero_unowned_rows=False from the routed rows themselves, for a caller that has sorted them:
   groups (R,) each row's group (outside [0, num_groups): no group's), rows (R,) its position in group order (a
   permutation of [0, R), groups ascending, rows of no group last), within (R,) its index among its group's rows.
@@ -484,7 +484,8 @@ def ragged_items_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array
   it, its end the next one's start (or the last owned row). One reduction over (R, R), then one that picks each
   item's row (a scatter past GATHERED_TABLE_MAX pairs): for the few rows of a decode call, fewer kernels than the
   per-group prologue. The items are those of `ragged_items` (the
-  padding ones: all fields 0)."""
+  padding ones: all fields 0). with_inverse: (the table, the row at each position: inverse[rows[j]] == j), the
+  inverse summed in the same reduction (the caller's gather order, without a kernel of its own)."""
   r = groups.shape[0]
   owned = (groups >= 0) & (groups < num_groups)
   starts = owned & ((within == 0) | (rows % tile_m == 0))
@@ -494,8 +495,12 @@ def ragged_items_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array
   # one kernel, whatever the compiler's sibling fusion does
   counted = (earlier.astype(jnp.int32), jnp.where(later, rows[None, :], r),
              jnp.broadcast_to(owned[None, :], (r, r)).astype(jnp.int32))
-  index, next_start, live = lax.reduce(counted, (np.int32(0), np.int32(r), np.int32(0)),
-                                       lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1]), a[2] + b[2]), (1,))
+  if with_inverse:  # [i, j]: j where row j sits at position i
+    counted += (jnp.where(rows[None, :] == lax.broadcasted_iota(jnp.int32, (r, r), 0),
+                          lax.broadcasted_iota(jnp.int32, (r, r), 1), 0),)
+  index, next_start, live, *inverse = lax.reduce(
+      counted, (np.int32(0), np.int32(r), np.int32(0), np.int32(0))[:len(counted)],
+      lambda a, b: (a[0] + b[0], jnp.minimum(a[1], b[1]), *(x + y for x, y in zip(a[2:], b[2:]))), (1,))
   hi = jnp.minimum(next_start, live)
   num_items = ragged_num_items(r, num_groups, tile_m)
   fields = jnp.stack([jnp.zeros_like(rows), groups, rows // tile_m, rows, hi]).astype(jnp.int32)
@@ -504,8 +509,10 @@ def ragged_items_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array
     # each item is started by one row at most: one fused reduction picks it (a zero-filled table and a scatter into
     # it would be two kernels)
     hit = at[None, :] == jnp.arange(num_items, dtype=jnp.int32)[:, None]
-    return jnp.sum(jnp.where(hit[None], fields[:, None, :], 0), axis=2, dtype=jnp.int32)
-  return jnp.zeros((ITEM_FIELDS, num_items), jnp.int32).at[:, at].set(fields, mode="drop")
+    table = jnp.sum(jnp.where(hit[None], fields[:, None, :], 0), axis=2, dtype=jnp.int32)
+  else:
+    table = jnp.zeros((ITEM_FIELDS, num_items), jnp.int32).at[:, at].set(fields, mode="drop")
+  return (table, inverse[0]) if with_inverse else table
 
 
 def ragged_items_from_starts(starts: jax.Array, group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:

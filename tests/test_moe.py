@@ -430,10 +430,10 @@ def test_dispatch_builds_one_work_item_table_for_both_gemms(monkeypatch, tokens,
 
 @needs_mosaic
 @pytest.mark.parametrize("tokens,e,h,i", [(1, 32, 7168, 2048), (1, 128, 2048, 768), (64, 128, 2048, 768)])
-def test_decode_dispatch_is_four_reductions(tokens, e, h, i):
-  """At decode the layer's dispatch (the order, its inverse, the live count and the GEMMs' work-item table) is four
-  reductions, each one kernel whatever XLA's sibling fusion does: the rank, index and live count of each slot; the
-  slot at each row; each item's start, end and the live count again; each item's fields picked. Nothing else in it
+def test_decode_dispatch_is_three_reductions(tokens, e, h, i):
+  """At decode the layer's dispatch (the order, its inverse, the live count and the GEMMs' work-item table) is three
+  reductions, each one kernel whatever XLA's sibling fusion does: the rank, index and live count of each slot; each
+  item's start, end, the live count again and the slot at each row; each item's fields picked. Nothing else in it
   reduces (the group sizes are read by nothing at decode) and nothing scatters."""
   with _platform.abstract_h200():
     plan = moe.explain(jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
@@ -445,7 +445,24 @@ def test_decode_dispatch_is_four_reductions(tokens, e, h, i):
     return d.order, d.rank, d.live, d.tables
 
   text = jax.jit(layer_reads).lower(jax.ShapeDtypeStruct((tokens, 8), jnp.int32)).as_text()
-  assert text.count("stablehlo.reduce") == 4 and "scatter" not in text and "sort" not in text, text[-3000:]
+  assert text.count("stablehlo.reduce") == 3 and "scatter" not in text and "sort" not in text, text[-3000:]
+
+
+@needs_mosaic
+def test_dispatch_order_taken_with_the_table_is_the_same(rng):
+  """The order the tables' reduction takes (the Mosaic plan's decode dispatch) equals the one dispatch computes alone
+  (no plan) and the stable sort's, on routings with ids of no expert and empty experts."""
+  with _platform.abstract_h200():
+    plan = moe.explain(jax.ShapeDtypeStruct((5, 256), jnp.bfloat16), jax.ShapeDtypeStruct((16, 256, 256), F8),
+                       jax.ShapeDtypeStruct((16, 256, 128), F8), 4)
+  assert plan.row_align == 1 and plan.gate_up.implementation == "mosaic", str(plan)
+  for _ in range(5):
+    ids = jnp.asarray(rng.integers(-3, 20, (5, 4)), jnp.int32)
+    with_plan, alone = moe_layer.dispatch(ids, 16, plan), moe_layer.dispatch(ids, 16)
+    key = np.where((np.asarray(ids) >= 0) & (np.asarray(ids) < 16), np.asarray(ids), 16).reshape(-1)
+    np.testing.assert_array_equal(with_plan.order, np.argsort(key, kind="stable"))
+    np.testing.assert_array_equal(alone.order, with_plan.order)
+    np.testing.assert_array_equal(alone.rank, with_plan.rank)
 
 
 @needs_mosaic

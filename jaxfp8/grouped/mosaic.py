@@ -194,12 +194,15 @@ def prepare(counts, problem, config):
   return K.masked_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
 
 
-def prepare_from_rows(groups, rows, within, group_sizes, problem, config):
+def prepare_from_rows(groups, rows, within, group_sizes, problem, config, with_order: bool = False):
   """`prepare` from the sorted rows themselves (`ragged_items_from_rows`), where it builds the same table: the ragged
-  layout leaving the rows no group owns unwritten."""
+  layout leaving the rows no group owns unwritten. with_order: (the table, the row at each position from the same
+  reduction, or None where the table came from the group sizes)."""
   if problem.layout == "ragged" and not problem.zero_unowned_rows:
-    return _kernel().ragged_items_from_rows(groups, rows, within, problem.groups, config.tile_m)
-  return prepare(group_sizes, problem, config)
+    return _kernel().ragged_items_from_rows(groups, rows, within, problem.groups, config.tile_m,
+                                            with_inverse=with_order)
+  table = prepare(group_sizes, problem, config)
+  return (table, None) if with_order else table
 
 
 def prepare_from_starts(starts, group_sizes, problem, config):

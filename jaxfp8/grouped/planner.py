@@ -123,15 +123,17 @@ def prepare(counts: jax.Array, plan: GroupedPlan) -> jax.Array:
 
 
 def prepare_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array, group_sizes: jax.Array,
-                      plan: GroupedPlan) -> jax.Array:
+                      plan: GroupedPlan, with_order: bool = False):
   """`prepare(group_sizes, plan)` for a ragged call whose caller sorted the rows: groups (R,) each routed row's group
   (outside [0, E): none), rows (R,) its position in group order, within (R,) its index among its group's rows. The
   Mosaic kernel's table then takes two fused reductions over the rows instead of its per-group prologue (fewer
-  kernels at decode, where the rows are few)."""
+  kernels at decode, where the rows are few). with_order: (the table, the routed row at each position where the
+  table's first reduction also took it, else None: the caller's gather order at no kernel of its own)."""
   p = plan.problem
   if p.empty:
-    return group_sizes
-  return BACKENDS[plan.implementation].prepare_from_rows(groups, rows, within, group_sizes, p, plan.config)
+    return (group_sizes, None) if with_order else group_sizes
+  return BACKENDS[plan.implementation].prepare_from_rows(groups, rows, within, group_sizes, p, plan.config,
+                                                         with_order=with_order)
 
 
 def prepare_from_starts(starts: jax.Array, group_sizes: jax.Array, plan: GroupedPlan) -> jax.Array:

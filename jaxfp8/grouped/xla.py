@@ -137,9 +137,9 @@ def prepare(counts, problem, config):
   return counts
 
 
-def prepare_from_rows(groups, rows, within, group_sizes, problem, config):
+def prepare_from_rows(groups, rows, within, group_sizes, problem, config, with_order: bool = False):
   del groups, rows, within, problem, config
-  return group_sizes
+  return (group_sizes, None) if with_order else group_sizes
 
 
 def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device, prepared: bool = False):

@@ -57,17 +57,25 @@ class Dispatch(NamedTuple):
   tables: tuple = ()
 
 
-def with_tables(d: Dispatch, plan, slot_keys=None, within=None) -> Dispatch:
-  """d with the grouped GEMMs' routing tables: at decode a kernel's prologue is a few small kernels, so the layer
-  builds the table once when both GEMMs take the same one (`grouped.planner.prepared_key`), and with the slots'
-  keys and their index inside their expert's rows (the pairwise dispatch has both) from the slots themselves
-  (`grouped.planner.prepare_from_rows`: fewer kernels than from the group sizes)."""
-  def prepare(gemm_plan):
-    if within is None:
-      return grouped.planner.prepare(d.group_sizes, gemm_plan)
-    return grouped.planner.prepare_from_rows(slot_keys, d.rank, within, d.group_sizes, gemm_plan)
+def with_tables(d: Dispatch, plan) -> Dispatch:
+  """d with the grouped GEMMs' routing tables from the group sizes: at decode a kernel's prologue is a few small
+  kernels, so the layer builds the table once when both GEMMs take the same one
+  (`grouped.planner.prepared_key`)."""
+  return d._replace(tables=_both_tables(plan, lambda gemm_plan: grouped.planner.prepare(d.group_sizes, gemm_plan)))
 
-  return d._replace(tables=_both_tables(plan, prepare))
+
+def _from_rows(key: jax.Array, rank: jax.Array, within: jax.Array, group_sizes: jax.Array, live: jax.Array,
+               plan) -> Dispatch:
+  """The pairwise dispatch's tables, from the slots' keys and their index inside their expert's rows
+  (`grouped.planner.prepare_from_rows`: fewer kernels than from the group sizes), and its order: the slot at each
+  row, taken in gate_up's table's first reduction where that builds from the rows (one kernel fewer at decode), else
+  a reduction of its own."""
+  gate_up_table, order = grouped.planner.prepare_from_rows(key, rank, within, group_sizes, plan.gate_up,
+                                                           with_order=True)
+  same = grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down)
+  down_table = gate_up_table if same else grouped.planner.prepare_from_rows(key, rank, within, group_sizes, plan.down)
+  return Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, live,
+                  (gate_up_table, down_table))
 
 
 def _both_tables(plan, prepare) -> tuple:
@@ -98,9 +106,7 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     rank, within, live = _sums(((key[None, :] < key[:, None]) | same_earlier, same_earlier,
                                 jnp.broadcast_to(key[None, :] < experts, (n, n))))
     live = live[0] if n else jnp.int32(0)
-    # the slot at each row, as one fused reduction over (R, R) (a scatter would be a zero fill and a scatter kernel)
-    order = jnp.sum(jnp.where(rank[None, :] == lax.broadcasted_iota(jnp.int32, (n, n), 0),
-                              lax.broadcasted_iota(jnp.int32, (n, n), 1), 0), axis=1, dtype=jnp.int32)
+    order = None  # taken with the tables where the plan builds them from the rows (`_from_rows`)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
   elif (experts + 1) * n <= COUNTING_MAX_ENTRIES:
     buckets = jnp.arange(experts + 1, dtype=jnp.int32)
@@ -121,8 +127,18 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     live = jnp.sum(key < experts, dtype=jnp.int32)
   if plan is not None and plan.row_align > 1:
     return _aligned(key, rank, group_sizes, plan)
-  d = Dispatch(order, rank, group_sizes, live)
-  return d if plan is None else with_tables(d, plan, key, within)
+  if plan is not None and within is not None:
+    return _from_rows(key, rank, within, group_sizes, live, plan)
+  d = Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, live)
+  return d if plan is None else with_tables(d, plan)
+
+
+def _slot_at_rows(rank: jax.Array) -> jax.Array:
+  """The inverse of the slots' rows, as one fused reduction over (R, R) (a scatter would be a zero fill and a
+  scatter kernel)."""
+  n = rank.shape[0]
+  return jnp.sum(jnp.where(rank[None, :] == lax.broadcasted_iota(jnp.int32, (n, n), 0),
+                           lax.broadcasted_iota(jnp.int32, (n, n), 1), 0), axis=1, dtype=jnp.int32)
 
 
 def _sums(masks: tuple) -> tuple:
