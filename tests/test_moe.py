@@ -23,11 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from jaxfp8 import _platform, moe
 from jaxfp8 import _transforms as transforms
 from jaxfp8 import reference as ref
 from jaxfp8.moe import layer as moe_layer
+from jaxfp8.moe import topk
 from jaxfp8.moe.weights import MoeWeights, load_hf_moe, save_hf_moe
 from jaxfp8.weights import Fp8LinearWeight
 
@@ -146,12 +148,10 @@ def top_k_values(rng, shape, kind):
 # each form of the choice: the compare-and-count (within topk.PAIRWISE_MAX_COMPARES; (300, 256) is past it), the
 # rounds of argmax (past it, k <= ROUNDS_MAX_K) and lax.top_k itself; the chosen entries picked or gathered
 @pytest.mark.parametrize("shape, k", [((300, 256), 8), ((5, 8, 32), 2), ((7, 8), 4), ((64, 128), 8), ((1, 256), 8),
-                                      ((64, 256), 8), ((3, 2), 2)])
+                                      ((64, 256), 8), ((3, 2), 2), ((9, 16), 3), ((4, 17), 5)])
 @pytest.mark.parametrize("values", ["normal", "ties", "specials"])
 @pytest.mark.parametrize("form", ["shipped", "rounds", "lax"])
 def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, monkeypatch, shape, k, values, form):
-  from jax import lax
-  from jaxfp8.moe import topk
   if form != "shipped":
     monkeypatch.setattr(topk, "PAIRWISE_MAX_COMPARES", 0)
     monkeypatch.setattr(topk, "ROUNDS_MAX_K", k if form == "rounds" else 0)
@@ -162,14 +162,15 @@ def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, monkeypatch, shape, k, valu
   np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
   assert np.asarray(got_v).tobytes() == np.asarray(want_v).tobytes()
   assert np.asarray(got_other).tobytes() == np.take_along_axis(other, np.asarray(want_i), -1).tobytes()
-  # the membership the group choice uses, and the ids with their weights (probabilities, never -0.0) in one pick
+  # the membership the group choice uses, and the ids with an int32 array and a flag's OR over the row in one pick
   member = np.zeros(shape, bool)
   np.put_along_axis(member, np.asarray(want_i), True, -1)
   np.testing.assert_array_equal(np.asarray(topk.in_top_k(jnp.asarray(v), k)), member)
-  weights = np.abs(other)
-  got_i, got_w = topk.top_k_weighed(jnp.asarray(v), k, jnp.asarray(weights))
+  labels, flag = rng.integers(-2**31, 2**31, shape, dtype=np.int32), rng.random(shape) < 0.1
+  got_i, got_labels, got_flag = jax.jit(lambda v, a, f: topk.top_k(v, k, a, any_of=f))(v, labels, flag)
   np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
-  assert np.asarray(got_w).tobytes() == np.take_along_axis(weights, np.asarray(want_i), -1).tobytes()
+  np.testing.assert_array_equal(np.asarray(got_labels), np.take_along_axis(labels, np.asarray(want_i), -1))
+  np.testing.assert_array_equal(np.asarray(got_flag), flag.any(-1))
 
 
 def test_routers_break_ties_to_the_lower_index():
@@ -197,6 +198,154 @@ def test_routers_break_ties_to_the_lower_index():
 def test_router_configs_are_checked(router, experts, match):
   with pytest.raises(ValueError, match=match):
     router.validate(experts)
+
+
+# The compare-and-count choice as it was with six reductions (a reduction per step), the reference the fused one is
+# checked against bit for bit: the group score's max over pairs, the groups' ranks, the experts' ranks, the ids'
+# and the weights' picks, and the NaN rule's `any` over the biased scores (or the probabilities).
+def _old_ranks(values):
+  n = values.shape[-1]
+  key = topk.order_keys(values)
+  index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)
+  return jnp.sum(beats, axis=-1, dtype=jnp.int32)
+
+
+def _old_in_top_k(values, k):
+  if topk._pairwise(values):
+    return _old_ranks(values) < k
+  ids = topk._top_k_ids(values, k)
+  return jnp.any(ids[..., :, None] == jnp.arange(values.shape[-1], dtype=jnp.int32), axis=-2)
+
+
+def _old_top_k_weighed(values, k, weights):
+  if not topk._pairwise(values):
+    ids = topk._top_k_ids(values, k)
+    return ids, jnp.take_along_axis(weights, ids, axis=-1)
+  chosen = _old_ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
+  ids = jnp.sum(jnp.where(chosen, jnp.arange(values.shape[-1], dtype=jnp.int32), 0), axis=-1)
+  return ids, jnp.sum(jnp.where(chosen, weights[..., None, :], jnp.zeros((), weights.dtype)), axis=-1)
+
+
+def _old_two_best_summed(grouped):
+  n = grouped.shape[-1]
+  if grouped.size * n > topk.PAIRWISE_MAX_COMPARES:
+    s = topk.top_k(grouped, 2, grouped)[1].sum(-1)
+    return jnp.where(jnp.isnan(s), -jnp.inf, s)
+  pairs = grouped[..., :, None] + grouped[..., None, :]
+  distinct = lax.broadcasted_iota(jnp.int32, (n, n), 0) != lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return jnp.max(jnp.where(distinct & ~jnp.isnan(pairs), pairs, -jnp.inf), axis=(-2, -1))
+
+
+def _old_nan_rule(values, weights):
+  return jnp.where(jnp.isnan(values).any(-1, keepdims=True), jnp.float32(jnp.nan), weights)
+
+
+def _old_deepseek_choose(router, logits, correction_bias):
+  t, e = logits.shape
+  scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+  choice = scores + correction_bias.astype(jnp.float32)[None, :]
+  grouped = choice.reshape(t, router.n_group, e // router.n_group)
+  allowed = _old_in_top_k(_old_two_best_summed(grouped), router.topk_group)
+  masked = jnp.where(jnp.repeat(allowed, e // router.n_group, axis=1), choice, -jnp.inf)
+  ids, weights = _old_top_k_weighed(masked, router.top_k, scores)
+  return ids.astype(jnp.int32), _old_nan_rule(choice, router._normalized(weights))
+
+
+def _old_qwen3_choose(router, logits, correction_bias=None):
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  ids, weights = _old_top_k_weighed(probs, router.top_k, probs)
+  return ids.astype(jnp.int32), _old_nan_rule(probs, router._normalized(weights))
+
+
+def _router_values(rng, t, e, kind):
+  """float32 logits (T, E) and a bias (E,): "normal"; "ties" (integer logits, biases in halves, signed zeros);
+  "specials" (NaN of both signs, the least-key NaN, +-inf, -0.0 and large logits in about a tenth of the places,
+  bias entries of +-inf and -0.0); "nan_bias" (a NaN correction-bias entry: every token poisoned)."""
+  logits = (rng.standard_normal((t, e)) * 2).astype(np.float32)
+  bias = (rng.standard_normal(e) * 0.5).astype(np.float32)
+  if kind == "ties":
+    logits, bias = np.round(logits), np.round(bias * 2) / 2
+    bias[rng.choice(e, e // 4, replace=False)] = -0.0
+  if kind in ("specials", "nan_bias"):
+    flat = logits.reshape(-1)
+    where = rng.choice(flat.size, max(1, flat.size // 10), replace=False)
+    least = np.array([0xFFFFFFFF], np.uint32).view(np.float32)[0]
+    flat[where] = rng.choice(np.array([np.nan, -np.nan, least, np.inf, -np.inf, 0.0, -0.0, 30, -30], np.float32),
+                             where.size)
+    bias[rng.choice(e, 3, replace=False)] = [np.inf, -np.inf, -0.0]
+  if kind == "nan_bias":
+    bias[int(rng.integers(e))] = np.nan
+  return logits, bias
+
+
+# tokens: 1 and 64 (the compare-and-count choice), 97 (past PAIRWISE_MAX_COMPARES at 256 experts: rounds of argmax)
+@pytest.mark.parametrize("tokens", [1, 64, 97])
+@pytest.mark.parametrize("e,n_group,topk_group,top_k,norm", [(256, 8, 4, 8, True), (64, 8, 3, 6, False),
+                                                            (12, 6, 3, 3, True), (8, 1, 1, 2, True)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "specials", "nan_bias"])
+def test_deepseek_v3_choice_is_the_six_reduction_one_bit_for_bit(rng, tokens, e, n_group, topk_group, top_k, norm,
+                                                                   kind):
+  """The fused compare-and-count choice (three reductions) gives the weights of the six-reduction one above bit for
+  bit on every token (NaN tokens' all NaN), and its ids on every token without a NaN: ties, signed zeros,
+  infinities."""
+  router = moe.DeepSeekV3Router(top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm)
+  logits, bias = _router_values(rng, tokens, e, kind)
+  got = jax.jit(lambda l, b: router(l, b, implementation="xla"))(logits, bias)
+  want = jax.jit(functools.partial(_old_deepseek_choose, router))(logits, bias)
+  _assert_same_choice(got, want, e)
+  if kind == "nan_bias" or (kind == "specials" and tokens > 1):
+    assert np.isnan(np.asarray(got[1])).any(), "the values must poison some tokens"
+
+
+def _assert_same_choice(got, want, e):
+  """Weights bit for bit; ids equal on tokens without a NaN. A NaN token's ids are any k distinct experts (§8): the
+  sign of the NaN a sum of NaNs makes, which lax.top_k ranks by, is XLA's to choose, and it changes with the
+  program's fusion (the six-reduction choice itself ranks one token's NaN apart at 1 and at 64 tokens)."""
+  ids, weights, want_ids, want_weights = (np.asarray(a) for a in (*got, *want))
+  assert weights.tobytes() == want_weights.tobytes()
+  nan = np.isnan(want_weights).all(-1)
+  np.testing.assert_array_equal(ids[~nan], want_ids[~nan])
+  assert all(len(set(row)) == ids.shape[1] and 0 <= row.min() and row.max() < e for row in ids)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 600])
+@pytest.mark.parametrize("e,top_k,norm", [(128, 8, True), (60, 4, False), (5, 5, True)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "specials", "all_minus_inf"])
+def test_qwen3_choice_is_the_six_reduction_one_bit_for_bit(rng, tokens, e, top_k, norm, kind):
+  """Qwen3-MoE's compare-and-count choice (the NaN flag folded into the pick) gives the six-reduction one's ids and
+  weights bit for bit: a NaN logit or +inf (inf - inf in the softmax) makes the token's weights NaN; a token of
+  -inf alone too (its max is -inf: -inf - -inf is NaN)."""
+  router = moe.Qwen3MoeRouter(top_k=top_k, norm_topk_prob=norm)
+  logits = _router_values(rng, tokens, e, "specials" if kind == "all_minus_inf" else kind)[0]
+  if kind == "all_minus_inf":
+    logits[::3] = -np.inf
+  got = jax.jit(lambda l: router(l, implementation="xla"))(logits)
+  want = jax.jit(functools.partial(_old_qwen3_choose, router))(logits)
+  _assert_same_choice(got, want, e)
+  if kind == "all_minus_inf":
+    assert np.isnan(np.asarray(got[1])[::3]).all()
+
+
+def test_fused_router_choice_gradient_and_vmap(rng):
+  """`jax.grad` through the compare-and-count choice (its picks have no derivative: the weights' comes from the
+  chosen experts' gather) equals the six-reduction choice's own; `jax.vmap` over token sets equals each set's."""
+  for router, e in ((moe.DeepSeekV3Router(top_k=4, n_group=4, topk_group=2), 32), (moe.Qwen3MoeRouter(top_k=4), 32)):
+    bias = jnp.asarray(rng.standard_normal(e) * 0.1, jnp.float32) if router.uses_correction_bias else None
+    old = _old_deepseek_choose if router.uses_correction_bias else _old_qwen3_choose
+    logits = jnp.asarray(rng.standard_normal((3, 11, e)) * 2, jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((11, 4)), jnp.float32)
+    new_loss = lambda l: jnp.sum(router(l, bias, implementation="xla")[1] * cotangent)
+    zero = jnp.zeros((e,), jnp.float32)
+    old_loss = lambda l: jnp.sum(old(router, l, zero if bias is None else bias)[1] * cotangent)
+    for one in logits:
+      grad = np.asarray(jax.grad(new_loss)(one))
+      assert np.abs(grad).max() > 1e-3, "the weights must carry the logits' gradient"
+      np.testing.assert_allclose(grad, np.asarray(jax.grad(old_loss)(one)), rtol=1e-6, atol=1e-7)
+    batched = jax.vmap(lambda l: router(l, bias, implementation="xla"))(logits)
+    for i, one in enumerate(logits):
+      for a, b in zip(batched, router(one, bias, implementation="xla")):
+        assert np.asarray(a[i]).tobytes() == np.asarray(b).tobytes()
 
 
 # ---------------------------------------------------------------------------------------------------- the layer
@@ -463,6 +612,21 @@ def test_dispatch_order_taken_with_the_table_is_the_same(rng):
     np.testing.assert_array_equal(with_plan.order, np.argsort(key, kind="stable"))
     np.testing.assert_array_equal(alone.order, with_plan.order)
     np.testing.assert_array_equal(alone.rank, with_plan.rank)
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_decode_router_choice_is_three_reductions(tokens):
+  """At decode XLA's router choice is a kernel per reduction. DeepSeek-V3's is three: the group scores with their
+  NaN flags, the experts' ranks (the groups' ranks elementwise, fused into them), the ids and weights picked
+  together; Qwen3-MoE's four: the softmax's max and sum, the ranks, the pick with the NaN flag's OR."""
+  def reductions(router, e):
+    bias = (jax.ShapeDtypeStruct((e,), jnp.float32),) if router.uses_correction_bias else ()
+    text = jax.jit(router.choose).lower(jax.ShapeDtypeStruct((tokens, e), jnp.float32), *bias).as_text()
+    return text.count("stablehlo.reduce")
+
+  assert reductions(moe.DeepSeekV3Router(), 256) == 3
+  assert reductions(moe.Qwen3MoeRouter(), 128) == 4
+  assert reductions(moe.Qwen3MoeRouter(norm_topk_prob=False), 128) == 4
 
 
 @needs_mosaic

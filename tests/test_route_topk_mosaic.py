@@ -189,7 +189,7 @@ def test_gpu_matches_xla(rng, t):
 def test_group_scores_are_the_two_best_summed(rng, monkeypatch):
   """XLA's group score: the largest sum over pairs of distinct entries (one fused reduction) equals the two best's
   sum, bit for bit, ties and infinities included (a NaN sum ranks last); past PAIRWISE_MAX_COMPARES, the two best by
-  the top-k, then their sum."""
+  the top-k, then their sum. Beside it, whether the group holds a NaN (in the same reduction)."""
   values = np.array([-np.inf, -1.5, 0.0, 0.25, 0.25, 3.0, np.inf], np.float32)
   grouped = np.concatenate([values[rng.integers(0, 7, (40, 8, 32))],
                             (rng.standard_normal((40, 8, 32)) * 3).astype(np.float32)])
@@ -199,5 +199,13 @@ def test_group_scores_are_the_two_best_summed(rng, monkeypatch):
   want = np.where(np.isnan(want), -np.inf, want)
   for limit in (topk.PAIRWISE_MAX_COMPARES, 0):
     monkeypatch.setattr(topk, "PAIRWISE_MAX_COMPARES", limit)
-    got = np.asarray(jax.jit(lambda g: topk.two_best_summed(g))(jnp.asarray(grouped)))  # traced anew
-    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+    got, nan = jax.jit(lambda g: topk.two_best_summed(g))(jnp.asarray(grouped))  # traced anew
+    np.testing.assert_array_equal(np.asarray(got).view(np.int32), want.view(np.int32))
+    assert not np.asarray(nan).any()
+    poisoned = grouped.copy()
+    poisoned.reshape(-1)[rng.choice(poisoned.size, 50, replace=False)] = np.float32(np.nan) * rng.choice([1, -1], 50)
+    nan = np.asarray(jax.jit(lambda g: topk.two_best_summed(g)[1])(jnp.asarray(poisoned)))
+    np.testing.assert_array_equal(nan, np.isnan(poisoned).any(-1))
+    clean = ~nan  # groups without a NaN score as before
+    np.testing.assert_array_equal(np.asarray(topk.two_best_summed(jnp.asarray(poisoned))[0])[clean].view(np.int32),
+                                  want[clean].view(np.int32))

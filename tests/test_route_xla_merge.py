@@ -191,7 +191,8 @@ def test_merged_choice_is_one_reduction(tokens):
   """The merged form's reductions at every token count: DeepSeek-V3 three (the groups' lists, the groups' ranks, the
   lists merged over the groups with the NaN flag's OR; an unrolled merge made XLA's program hundreds of
   times larger), Qwen3-MoE with norm_topk_prob one (the logits' list, the softmax over the k alone; without it the
-  softmax's two come first); the compare-and-count form takes a reduction per step."""
+  softmax's two come first); the compare-and-count form takes as many at decode (test_moe), more past
+  PAIRWISE_MAX_COMPARES."""
   deepseek, qwen3 = moe.DeepSeekV3Router(), moe.Qwen3MoeRouter()
 
   def reductions(router, e, implementation):
@@ -202,4 +203,4 @@ def test_merged_choice_is_one_reduction(tokens):
 
   assert reductions(deepseek, 256, "xla_merge") == 3 and reductions(qwen3, 128, "xla_merge") == 1
   assert reductions(moe.Qwen3MoeRouter(norm_topk_prob=False), 128, "xla_merge") == 3
-  assert reductions(deepseek, 256, "xla") >= 6
+  assert reductions(deepseek, 256, "xla") >= 3

@@ -6,15 +6,15 @@ Both take logits (..., E), any leading shape (the tokens, as the layer takes the
 whose routing values hold a NaN gets NaN for every one of its weights (§8).
 
 Three implementations of the choice after the logits (`plan` picks, `Router.explain` says which and why): "xla", the
-compare-and-count top-k below (a chain of small fused reductions: about ten kernels for DeepSeek-V3's router at one
-token), "xla_merge", each row's best entries as one reduction whose state is a sorted list (`topk.best_lists`; the
-groups' lists merged after it), and "mosaic", one Mosaic GPU kernel for the whole chain
+compare-and-count top-k below (a chain of small fused reductions, a kernel each: three for DeepSeek-V3's router at
+decode, four for Qwen3-MoE's), "xla_merge", each row's best entries as one reduction whose state is a sorted list
+(`topk.best_lists`; the groups' lists merged after it), and "mosaic", one Mosaic GPU kernel for the whole chain
 (pallas_kernels/route_topk_mosaic.py), the default on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the
 problem (Qwen3's softmax router; DeepSeek-V3's is slower than XLA's). All give `lax.top_k`'s ids on the same values
 (Qwen3's merged form on the logits, whose order the probabilities keep but where two round to one);
 the weights may differ by the rounding of each one's exp and k-term sum (§8: weights to float32 rounding). All are
-differentiable in the logits (the Mosaic one and the merged form through the XLA weights of the ids they chose) and
-take `jax.vmap`."""
+differentiable in the logits, each through the XLA weights of the ids it chose (`weights_of`: the XLA forms pick
+their weights as bits, which carry no derivative), and take `jax.vmap`."""
 
 from __future__ import annotations
 
@@ -37,10 +37,11 @@ IMPLEMENTATIONS = ("mosaic", "xla", "xla_merge")
 # Where the Mosaic router does not run by default, XLA's choice in this form: "xla", the compare-and-count top-k (a
 # chain of fused reductions, a kernel each), or "xla_merge", each row's k best as one reduction over sorted lists
 # (`topk.best_lists`). H100, CUPTI, the MoE bench's route step (same logits, same ids): DeepSeek-V3 "xla" 11.6 / 19.6
-# us at 1 / 64 tokens, "xla_merge" 28.7 / 23.7 (XLA splits the groups' elementwise merge into many loop fusions, and
-# the k outputs' stacking into concatenates: 15 kernels at one token; the merge is now a reduction over the groups,
-# not yet timed); Qwen3-MoE "xla" 6.3 us at one token,
-# "xla_merge" 6.5; at 64 tokens "xla_merge" 8.2 against the Mosaic router's 9.3 (one point: not yet the default).
+# us at 1 / 64 tokens as six reductions (three now, not yet timed), "xla_merge" 28.7 / 23.7 (XLA splits the groups'
+# elementwise merge into many loop fusions, and the k outputs' stacking into concatenates: 15 kernels at one token;
+# the merge is now a reduction over the groups, not yet timed); Qwen3-MoE "xla" 6.3 us at one token (as six
+# reductions, four now), "xla_merge" 6.5; at 64 tokens "xla_merge" 8.2 against the Mosaic router's 9.3 (one point:
+# not yet the default).
 XLA_DEFAULT = {"sigmoid": "xla", "softmax": "xla"}  # per scoring: DeepSeek-V3's sigmoid, Qwen3-MoE's softmax
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
 # scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
@@ -101,8 +102,6 @@ def plan(router, tokens: int, experts: int, dtype, implementation: str | None = 
 
 def _route(router, p: RoutePlan, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """(ids, weights) of logits (T, E) by `p`'s implementation."""
-  if p.implementation == "xla":
-    return router.choose(logits, bias)
 
   def kernel(logits, bias):
     return _kernel().route_topk(logits, bias if router.uses_correction_bias else None, routing=p.config,
@@ -116,9 +115,10 @@ def _route(router, p: RoutePlan, logits: jax.Array, bias: jax.Array | None) -> t
     ids, weights = kernel(logits.reshape(-1, logits.shape[-1]), bias)
     return (ids.reshape(axis_size, -1, ids.shape[-1]), weights.reshape(axis_size, -1, weights.shape[-1])), (True, True)
 
-  # the merged form's reduction batches as it is; its payloads are bits, so both forms take the weights' derivative
-  # from the gather below
-  chosen = router.choose_merged if p.implementation == "xla_merge" else transforms.batched(kernel, vmap_rule)
+  # XLA's forms batch as they are; they pick the weights as bits in a variadic reduction (no derivative), so every
+  # form takes the weights' derivative from the gather below
+  xla = {"xla": router.choose, "xla_merge": router.choose_merged}
+  chosen = xla.get(p.implementation) or transforms.batched(kernel, vmap_rule)
 
   @jax.custom_jvp
   def route(logits, bias):
@@ -149,12 +149,12 @@ def _token_rows(router: str, logits) -> tuple[tuple[int, ...], int]:
   return tuple(logits.shape[:-1]), logits.shape[-1]
 
 
-def _nan_tokens_get_nan(values: jax.Array, weights: jax.Array) -> jax.Array:
-  """§8's NaN rule: the weights of a token (a row of `values`, the values its experts are ranked by) holding a NaN
-  are all NaN. `lax.top_k` ranks a NaN by its sign bit (a negative NaN below -inf), so a NaN would otherwise be
-  ranked out of the choice and the token routed on finite weights; transformers' torch.topk ranks NaN first, which
-  makes that token's output NaN."""
-  return jnp.where(jnp.isnan(values).any(-1, keepdims=True), jnp.float32(jnp.nan), weights)
+def _nan_tokens_get_nan(nan: jax.Array, weights: jax.Array) -> jax.Array:
+  """§8's NaN rule: the weights (T, k) of a token whose routing values (the values its experts are ranked by) hold a
+  NaN (`nan`, (T,)) are all NaN. `lax.top_k` ranks a NaN by its sign bit (a negative NaN below -inf), so a NaN would
+  otherwise be ranked out of the choice and the token routed on finite weights; transformers' torch.topk ranks NaN
+  first, which makes that token's output NaN."""
+  return jnp.where(nan[:, None], jnp.float32(jnp.nan), weights)
 
 
 def _rounded(x: jax.Array) -> jax.Array:
@@ -243,16 +243,18 @@ class DeepSeekV3Router(_Routed):
     return self._run(logits, correction_bias.astype(jnp.float32), implementation, interpret)
 
   def choose(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """XLA's choice on checked logits (T, E) and correction_bias (E,)."""
-    e = logits.shape[-1]
+    """XLA's choice on checked logits (T, E) and correction_bias (E,), compare-and-count: at decode three
+    reductions, a kernel each: the group scores with each group's NaN flag (over the pairs of its entries), the
+    experts' ranks (each group's rank among the groups a sum of n_group elementwise compares, fused into the
+    masked biased scores the ranks compare), and the ids and weights picked together."""
+    t, e = logits.shape
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
-    t = scores.shape[0]
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
-    grouped = choice.reshape(t, self.n_group, e // self.n_group)
-    allowed = topk.in_top_k(topk.two_best_summed(grouped), self.topk_group)  # the topk_group best groups
+    group_scores, group_nan = topk.two_best_summed(choice.reshape(t, self.n_group, e // self.n_group))
+    allowed = topk.in_top_k(group_scores, self.topk_group)  # the topk_group best groups
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
-    ids, weights = topk.top_k_weighed(masked, self.top_k, scores)
-    return ids.astype(jnp.int32), _nan_tokens_get_nan(choice, self._normalized(weights))
+    ids, weights = topk.top_k(masked, self.top_k, scores)
+    return ids, _nan_tokens_get_nan(topk.any_along(group_nan), self._normalized(weights))
 
   def choose_merged(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """XLA's choice in the merged form: each group's best entries in one reduction (its first two summed are the
@@ -286,7 +288,7 @@ class DeepSeekV3Router(_Routed):
     # shared compares into every consumer: a program hundreds of times larger)
     merged, any_nan = topk.merged_along(lists, 1, nan)
     ids, weights = topk.ids_and_weights(merged, self.top_k)
-    return ids, jnp.where(any_nan[:, None], jnp.float32(jnp.nan), self._normalized(weights))
+    return ids, _nan_tokens_get_nan(any_nan, self._normalized(weights))
 
   def _normalized(self, weights: jax.Array) -> jax.Array:
     """The chosen scores normalized (with norm_topk_prob) and scaled."""
@@ -338,11 +340,12 @@ class Qwen3MoeRouter(_Routed):
     return self._run(logits, None, implementation, interpret)
 
   def choose(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
-    """XLA's choice on checked logits (T, E)."""
+    """XLA's choice on checked logits (T, E), compare-and-count: four reductions, a kernel each: the softmax's max
+    and sum, the ranks, and the ids, weights and NaN flag picked together."""
     del correction_bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    ids, weights = topk.top_k_weighed(probs, self.top_k, probs)
-    return ids.astype(jnp.int32), _nan_tokens_get_nan(probs, self._normalized(weights))
+    ids, weights, nan = topk.top_k(probs, self.top_k, probs, any_of=jnp.isnan(probs))
+    return ids, _nan_tokens_get_nan(nan, self._normalized(weights))
 
   def choose_merged(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
     """XLA's choice in the merged form: with norm_topk_prob, the top_k of each token's logits in one reduction and
@@ -360,12 +363,12 @@ class Qwen3MoeRouter(_Routed):
       ids = jnp.stack([e[1] for e in best[:self.top_k]], axis=-1)
       top = jnp.stack([topk.key_value(e[0]) for e in best[:self.top_k]], axis=-1)
       weights = jnp.exp(top - top[..., :1])  # the first is the row's largest logit
-      return ids, jnp.where(nan[:, None], jnp.float32(jnp.nan), weights / _in_order_sum(weights))
+      return ids, _nan_tokens_get_nan(nan, weights / _in_order_sum(weights))
     probs = jax.nn.softmax(values, axis=-1)
     best, nan = topk.best_lists(topk.order_keys(probs), topk.list_length(self.top_k), payloads=(topk.bits(probs),),
                                 flag=jnp.isnan(probs))
     ids, weights = topk.ids_and_weights(best, self.top_k)
-    return ids, jnp.where(nan[:, None], jnp.float32(jnp.nan), weights)
+    return ids, _nan_tokens_get_nan(nan, weights)
 
   def _normalized(self, weights: jax.Array) -> jax.Array:
     """The chosen probabilities renormalized (with norm_topk_prob)."""

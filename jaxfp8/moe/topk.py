@@ -1,9 +1,12 @@
 """The top-k choices the routers make (docs/CONTRACT.md §8), over the last axis and bit for bit `lax.top_k`'s (the k
 largest in IEEE total order, ties to the lower index), in the forms XLA runs them as: compare-and-count (`top_k`:
-each entry's rank counted, a few fused reductions), rounds of one argmax each (`top_k_rounds`), and the merged form
-(`best_lists`: each row's best entries as one reduction whose state is a sorted list)."""
+each entry's rank counted, then every pick in one variadic reduction: two fused reductions), rounds of one argmax
+each (`top_k_rounds`), and the merged form (`best_lists`: each row's best entries as one reduction whose state is a
+sorted list)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,9 @@ PAIRWISE_MAX_COMPARES = 1 << 22
 # Past PAIRWISE_MAX_COMPARES, a top-k with k up to this many runs as k rounds of one fused argmax each; a larger k
 # runs `lax.top_k` (a sort on the GPU).
 ROUNDS_MAX_K = 8
+# A rank over a row of at most this many entries (DeepSeek-V3's 8 groups) is a sum of n elementwise compares of
+# (..., n), which fuses into whatever reads it, not a reduction kernel of its own.
+UNROLLED_MAX = 16
 
 
 def order_keys(values: jax.Array) -> jax.Array:
@@ -26,23 +32,43 @@ def order_keys(values: jax.Array) -> jax.Array:
   return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]:
+def top_k(values: jax.Array, k: int, *also: jax.Array, any_of: jax.Array | None = None) -> tuple[jax.Array, ...]:
   """`lax.top_k(values, k)` over the last axis (the k largest, in order, ties to the lower index, NaN by its sign),
-  as (ids, then the chosen entries of each array of `also`, same shape as values), bit for bit, in one of three
-  forms. Up to PAIRWISE_MAX_COMPARES, each entry's rank is the count of entries that beat it, so the whole choice is
-  a few fused compare-and-count reductions over (..., n, n): at decode a handful of small kernels where a sort-based
-  top-k launches many. Past it, with k up to ROUNDS_MAX_K, k rounds of one argmax each over the entries not yet
-  taken (a reduction of (free, key, index) triples: one kernel a round, where XLA's GPU top-k sorts every row);
-  else `lax.top_k` itself."""
-  n = values.shape[-1]
+  as (ids, then the chosen entries of each 32-bit array of `also`, same shape as values, bit for bit), in one of
+  three forms; with `any_of` (bool, values' shape), its OR over the last axis comes last. Up to
+  PAIRWISE_MAX_COMPARES, each entry's rank is the count of entries that beat it, and the picks (and the OR) are one
+  variadic reduction (`pick`): at decode two small kernels (one for a short row) where a sort-based top-k launches
+  many. Past it, with k up to ROUNDS_MAX_K, k rounds of one argmax each over the entries not yet taken (a reduction
+  of (free, key, index) triples: one kernel a round, where XLA's GPU top-k sorts every row), then gathers; else
+  `lax.top_k` itself. No derivative: the routers take theirs from a gather of the ids (routing._route)."""
   if not _pairwise(values):
     ids = _top_k_ids(values, k)
-    return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also))
-  chosen = _chosen(values, k)
-  pick = lambda a: jnp.sum(jnp.where(chosen, a[..., None, :], 0), axis=-1)  # the one chosen entry, exactly
-  # float entries are picked as their bits: every value comes back as it was (-0.0 and a NaN's sign included)
-  picked = tuple(lax.bitcast_convert_type(pick(lax.bitcast_convert_type(a, jnp.int32)), a.dtype) for a in also)
-  return (pick(jnp.arange(n, dtype=jnp.int32)), *picked)
+    flag = () if any_of is None else (jnp.any(any_of, axis=-1),)
+    return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also), *flag)
+  n = values.shape[-1]
+  chosen = _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # row j: the entry of rank j
+  picked, flag = pick(chosen, (jnp.arange(n, dtype=jnp.int32), *also), any_of)
+  return (*picked, *(() if flag is None else (flag,)))
+
+
+def pick(chosen: jax.Array, arrays: tuple, any_of: jax.Array | None = None) -> tuple[tuple, jax.Array | None]:
+  """(each array's entries that `chosen` (..., k, n) marks, one per row, (..., k) each; the OR of `any_of`
+  (..., n) over n, or None), all in one variadic reduction over n. A pick is the masked sum of a single term, exact:
+  every array (32-bit, (..., n) or (n,)) is summed as its bits, so floats come back as they were (-0.0 and a NaN's
+  sign included), in one kernel where a reduction per array would take one each (as layer._sums)."""
+  operands = [jnp.where(chosen, lax.bitcast_convert_type(a, jnp.int32)[..., None, :], 0) for a in arrays]
+  inits = [np.int32(0)] * len(arrays)
+  if any_of is not None:
+    operands.append(jnp.broadcast_to(any_of[..., None, :], chosen.shape))
+    inits.append(np.bool_(False))
+
+  def combine(a, b):
+    sums = tuple(x + y for x, y in zip(a[:len(arrays)], b[:len(arrays)]))
+    return sums if any_of is None else (*sums, a[-1] | b[-1])
+
+  out = lax.reduce(tuple(operands), tuple(inits), combine, (chosen.ndim - 1,))
+  picked = tuple(lax.bitcast_convert_type(o, a.dtype) for o, a in zip(out, arrays))
+  return picked, (None if any_of is None else out[-1][..., 0])
 
 
 def _pairwise(values: jax.Array) -> bool:
@@ -52,17 +78,18 @@ def _pairwise(values: jax.Array) -> bool:
 
 def _ranks(values: jax.Array) -> jax.Array:
   """(..., n) int32: each entry's place in `lax.top_k`'s order of the last axis (0 for the largest; ties to the
-  lower index, NaN by its sign): the count of entries that beat it, one fused reduction over (..., n, n)."""
+  lower index, NaN by its sign): the count of entries that beat it. Over a short row (n up to UNROLLED_MAX) a sum
+  of n elementwise compares, no reduction of its own (it fuses into whatever reads it); else one fused reduction
+  over (..., n, n)."""
   n = values.shape[-1]
   key = order_keys(values)
+  if n <= UNROLLED_MAX:
+    j = lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+    beats = [(key[..., h:h + 1] > key) | ((key[..., h:h + 1] == key) & (j > h)) for h in range(n)]
+    return functools.reduce(jnp.add, [b.astype(jnp.int32) for b in beats])
   index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
   beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)
   return jnp.sum(beats, axis=-1, dtype=jnp.int32)
-
-
-def _chosen(values: jax.Array, k: int) -> jax.Array:
-  """(..., k, n) bool: row j marks the entry of rank j (one True per row)."""
-  return _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
 
 
 def _top_k_ids(values: jax.Array, k: int) -> jax.Array:
@@ -71,24 +98,20 @@ def _top_k_ids(values: jax.Array, k: int) -> jax.Array:
 
 
 def in_top_k(values: jax.Array, k: int) -> jax.Array:
-  """(..., n) bool: whether each entry is among `lax.top_k(values, k)`'s (at decode its rank below k: no pick)."""
+  """(..., n) bool: whether each entry is among `lax.top_k(values, k)`'s (at decode its rank below k: no pick; over
+  a short row, as DeepSeek-V3's groups, elementwise)."""
   if _pairwise(values):
     return _ranks(values) < k
   ids = _top_k_ids(values, k)
   return jnp.any(ids[..., :, None] == jnp.arange(values.shape[-1], dtype=jnp.int32), axis=-2)
 
 
-def top_k_weighed(values: jax.Array, k: int, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(ids of `lax.top_k(values, k)`, weights at those ids), differentiable in weights. Compare-and-count picks both
-  in one fused reduction (a masked sum of a single term: the weight exactly, for weights that are never -0.0, as
-  probabilities and sigmoid scores are not); past it, ids as `top_k` takes them and a gather."""
-  if not _pairwise(values):
-    ids = _top_k_ids(values, k)
-    return ids, jnp.take_along_axis(weights, ids, axis=-1)
-  n = values.shape[-1]
-  chosen = _chosen(values, k)
-  ids = jnp.sum(jnp.where(chosen, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
-  return ids, jnp.sum(jnp.where(chosen, weights[..., None, :], jnp.zeros((), weights.dtype)), axis=-1)
+def any_along(flags: jax.Array) -> jax.Array:
+  """(...): the OR of bool flags (..., n) over the last axis; over a short row elementwise (no kernel of its own)."""
+  n = flags.shape[-1]
+  if n <= UNROLLED_MAX:
+    return functools.reduce(jnp.logical_or, [flags[..., h] for h in range(n)])
+  return jnp.any(flags, axis=-1)
 
 
 def _better(a, b):
@@ -208,16 +231,21 @@ def ids_and_weights(best: list, k: int) -> tuple[jax.Array, jax.Array]:
   return (jnp.stack([e[1] for e in best[:k]], axis=-1), jnp.stack([as_float(e[2]) for e in best[:k]], axis=-1))
 
 
-def two_best_summed(grouped: jax.Array) -> jax.Array:
-  """Each group's two best values summed (..., G, n) -> (..., G); a NaN sum (inf + -inf: bias entries of both signs)
-  ranks last on every platform (-inf), not by the sign of the NaN it makes. With few values, the largest sum over
-  pairs of distinct entries: float addition is monotone in each operand, so that is the two best's sum, bit for bit,
-  in one fused reduction (a pair making NaN drops out; a token holding a NaN gets NaN weights whatever its group
-  scores, §8). With more, the two best by `top_k`, then their sum."""
+def two_best_summed(grouped: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(each group's two best values summed (..., G), whether the group holds a NaN (..., G)) of grouped (..., G, n);
+  a NaN sum (inf + -inf: bias entries of both signs) ranks last on every platform (-inf), not by the sign of the NaN
+  it makes. With few values, the largest sum over pairs of distinct entries: float addition is monotone in each
+  operand, so that is the two best's sum, bit for bit, and the NaN flag is the OR beside it in one variadic fused
+  reduction (a pair making NaN drops out: a token holding a NaN gets NaN weights whatever its group scores, §8).
+  With more, the two best by `top_k`, then their sum, and the flag's own reduction."""
   n = grouped.shape[-1]
   if grouped.size * n > PAIRWISE_MAX_COMPARES:
     s = top_k(grouped, 2, grouped)[1].sum(-1)
-    return jnp.where(jnp.isnan(s), -jnp.inf, s)
+    return jnp.where(jnp.isnan(s), -jnp.inf, s), jnp.any(jnp.isnan(grouped), axis=-1)
   pairs = grouped[..., :, None] + grouped[..., None, :]
   distinct = lax.broadcasted_iota(jnp.int32, (n, n), 0) != lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return jnp.max(jnp.where(distinct & ~jnp.isnan(pairs), pairs, -jnp.inf), axis=(-2, -1))
+  sums = jnp.where(distinct & ~jnp.isnan(pairs), pairs, -jnp.inf)
+  nan = jnp.broadcast_to(jnp.isnan(grouped)[..., :, None], pairs.shape)  # every entry is some pair's first
+  init = (np.array(-np.inf, grouped.dtype), np.bool_(False))
+  return lax.reduce((sums, nan), init, lambda a, b: (jnp.maximum(a[0], b[0]), a[1] | b[1]),
+                    (grouped.ndim - 1, grouped.ndim))
