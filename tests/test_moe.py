@@ -162,15 +162,17 @@ def test_routers_top_k_is_lax_top_k_bit_for_bit(rng, monkeypatch, shape, k, valu
   np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
   assert np.asarray(got_v).tobytes() == np.asarray(want_v).tobytes()
   assert np.asarray(got_other).tobytes() == np.take_along_axis(other, np.asarray(want_i), -1).tobytes()
-  # the membership the group choice uses, and the ids with an int32 array and a flag's OR over the row in one pick
+  # the membership the group choice uses, the ids with an int32 array in one pick, and the sibling-reduction form
   member = np.zeros(shape, bool)
   np.put_along_axis(member, np.asarray(want_i), True, -1)
   np.testing.assert_array_equal(np.asarray(topk.in_top_k(jnp.asarray(v), k)), member)
-  labels, flag = rng.integers(-2**31, 2**31, shape, dtype=np.int32), rng.random(shape) < 0.1
-  got_i, got_labels, got_flag = jax.jit(lambda v, a, f: topk.top_k(v, k, a, any_of=f))(v, labels, flag)
+  labels = rng.integers(-2**31, 2**31, shape, dtype=np.int32)
+  got_i, got_labels = jax.jit(lambda v, a: topk.top_k(v, k, a))(v, labels)
   np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
   np.testing.assert_array_equal(np.asarray(got_labels), np.take_along_axis(labels, np.asarray(want_i), -1))
-  np.testing.assert_array_equal(np.asarray(got_flag), flag.any(-1))
+  got_i, got_other = jax.jit(lambda v, w: topk.top_k_weighed(v, k, w))(v, other)
+  np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+  assert np.asarray(got_other).tobytes() == np.take_along_axis(other, np.asarray(want_i), -1).tobytes()
 
 
 def test_routers_break_ties_to_the_lower_index():
@@ -299,32 +301,18 @@ def test_deepseek_v3_choice_is_the_six_reduction_one_bit_for_bit(rng, tokens, e,
 
 
 def _assert_same_choice(got, want, e):
-  """Weights bit for bit; ids equal on tokens without a NaN. A NaN token's ids are any k distinct experts (§8): the
+  """Weights bit for bit (on a GPU, where each program's fusion computes sigmoid with its own instructions, to
+  float32 rounding: §8); ids equal on tokens without a NaN. A NaN token's ids are any k distinct experts (§8): the
   sign of the NaN a sum of NaNs makes, which lax.top_k ranks by, is XLA's to choose, and it changes with the
   program's fusion (the six-reduction choice itself ranks one token's NaN apart at 1 and at 64 tokens)."""
   ids, weights, want_ids, want_weights = (np.asarray(a) for a in (*got, *want))
-  assert weights.tobytes() == want_weights.tobytes()
+  if jax.default_backend() == "cpu":
+    assert weights.tobytes() == want_weights.tobytes()
+  else:
+    np.testing.assert_allclose(weights, want_weights, rtol=4 * np.finfo(np.float32).eps, atol=0)
   nan = np.isnan(want_weights).all(-1)
   np.testing.assert_array_equal(ids[~nan], want_ids[~nan])
   assert all(len(set(row)) == ids.shape[1] and 0 <= row.min() and row.max() < e for row in ids)
-
-
-@pytest.mark.parametrize("tokens", [1, 64, 600])
-@pytest.mark.parametrize("e,top_k,norm", [(128, 8, True), (60, 4, False), (5, 5, True)])
-@pytest.mark.parametrize("kind", ["normal", "ties", "specials", "all_minus_inf"])
-def test_qwen3_choice_is_the_six_reduction_one_bit_for_bit(rng, tokens, e, top_k, norm, kind):
-  """Qwen3-MoE's compare-and-count choice (the NaN flag folded into the pick) gives the six-reduction one's ids and
-  weights bit for bit: a NaN logit or +inf (inf - inf in the softmax) makes the token's weights NaN; a token of
-  -inf alone too (its max is -inf: -inf - -inf is NaN)."""
-  router = moe.Qwen3MoeRouter(top_k=top_k, norm_topk_prob=norm)
-  logits = _router_values(rng, tokens, e, "specials" if kind == "all_minus_inf" else kind)[0]
-  if kind == "all_minus_inf":
-    logits[::3] = -np.inf
-  got = jax.jit(lambda l: router(l, implementation="xla"))(logits)
-  want = jax.jit(functools.partial(_old_qwen3_choose, router))(logits)
-  _assert_same_choice(got, want, e)
-  if kind == "all_minus_inf":
-    assert np.isnan(np.asarray(got[1])[::3]).all()
 
 
 def test_fused_router_choice_gradient_and_vmap(rng):
@@ -615,18 +603,14 @@ def test_dispatch_order_taken_with_the_table_is_the_same(rng):
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_decode_router_choice_is_three_reductions(tokens):
-  """At decode XLA's router choice is a kernel per reduction. DeepSeek-V3's is three: the group scores with their
-  NaN flags, the experts' ranks (the groups' ranks elementwise, fused into them), the ids and weights picked
-  together; Qwen3-MoE's four: the softmax's max and sum, the ranks, the pick with the NaN flag's OR."""
-  def reductions(router, e):
-    bias = (jax.ShapeDtypeStruct((e,), jnp.float32),) if router.uses_correction_bias else ()
-    text = jax.jit(router.choose).lower(jax.ShapeDtypeStruct((tokens, e), jnp.float32), *bias).as_text()
-    return text.count("stablehlo.reduce")
-
-  assert reductions(moe.DeepSeekV3Router(), 256) == 3
-  assert reductions(moe.Qwen3MoeRouter(), 128) == 4
-  assert reductions(moe.Qwen3MoeRouter(norm_topk_prob=False), 128) == 4
+def test_decode_deepseek_v3_router_choice_is_three_reductions(tokens):
+  """At decode XLA's router choice is about a kernel per reduction. DeepSeek-V3's is three: the group scores with
+  their NaN flags, the experts' ranks (the groups' ranks elementwise, fused into them), the ids and weights picked
+  together. (Qwen3-MoE's keeps its sibling picks, which XLA's GPU compiler fuses with its softmax: fewer kernels
+  than one variadic pick.)"""
+  bias = jax.ShapeDtypeStruct((256,), jnp.float32)
+  text = jax.jit(moe.DeepSeekV3Router().choose).lower(jax.ShapeDtypeStruct((tokens, 256), jnp.float32), bias)
+  assert text.as_text().count("stablehlo.reduce") == 3
 
 
 @needs_mosaic

@@ -340,12 +340,12 @@ class Qwen3MoeRouter(_Routed):
     return self._run(logits, None, implementation, interpret)
 
   def choose(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
-    """XLA's choice on checked logits (T, E), compare-and-count: four reductions, a kernel each: the softmax's max
-    and sum, the ranks, and the ids, weights and NaN flag picked together."""
+    """XLA's choice on checked logits (T, E), compare-and-count (`topk.top_k_weighed`: the picks as sibling
+    reductions, which XLA's GPU compiler fuses with the softmax)."""
     del correction_bias
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    ids, weights, nan = topk.top_k(probs, self.top_k, probs, any_of=jnp.isnan(probs))
-    return ids, _nan_tokens_get_nan(nan, self._normalized(weights))
+    ids, weights = topk.top_k_weighed(probs, self.top_k, probs)
+    return ids, _nan_tokens_get_nan(jnp.isnan(probs).any(-1), self._normalized(weights))
 
   def choose_merged(self, logits: jax.Array, correction_bias=None) -> tuple[jax.Array, jax.Array]:
     """XLA's choice in the merged form: with norm_topk_prob, the top_k of each token's logits in one reduction and

@@ -32,43 +32,50 @@ def order_keys(values: jax.Array) -> jax.Array:
   return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def top_k(values: jax.Array, k: int, *also: jax.Array, any_of: jax.Array | None = None) -> tuple[jax.Array, ...]:
+def top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]:
   """`lax.top_k(values, k)` over the last axis (the k largest, in order, ties to the lower index, NaN by its sign),
   as (ids, then the chosen entries of each 32-bit array of `also`, same shape as values, bit for bit), in one of
-  three forms; with `any_of` (bool, values' shape), its OR over the last axis comes last. Up to
-  PAIRWISE_MAX_COMPARES, each entry's rank is the count of entries that beat it, and the picks (and the OR) are one
-  variadic reduction (`pick`): at decode two small kernels (one for a short row) where a sort-based top-k launches
-  many. Past it, with k up to ROUNDS_MAX_K, k rounds of one argmax each over the entries not yet taken (a reduction
-  of (free, key, index) triples: one kernel a round, where XLA's GPU top-k sorts every row), then gathers; else
-  `lax.top_k` itself. No derivative: the routers take theirs from a gather of the ids (routing._route)."""
+  three forms. Up to PAIRWISE_MAX_COMPARES, each entry's rank is the count of entries that beat it, and the picks
+  are one variadic reduction (`pick`): at decode two small kernels (one for a short row) where a sort-based top-k
+  launches many. Past it, with k up to ROUNDS_MAX_K, k rounds of one argmax each over the entries not yet taken (a
+  reduction of (free, key, index) triples: one kernel a round, where XLA's GPU top-k sorts every row), then gathers;
+  else `lax.top_k` itself. No derivative: the routers take theirs from a gather of the ids (routing._route)."""
   if not _pairwise(values):
     ids = _top_k_ids(values, k)
-    flag = () if any_of is None else (jnp.any(any_of, axis=-1),)
-    return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also), *flag)
+    return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also))
   n = values.shape[-1]
-  chosen = _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # row j: the entry of rank j
-  picked, flag = pick(chosen, (jnp.arange(n, dtype=jnp.int32), *also), any_of)
-  return (*picked, *(() if flag is None else (flag,)))
+  return pick(_chosen(values, k), (jnp.arange(n, dtype=jnp.int32), *also))
 
 
-def pick(chosen: jax.Array, arrays: tuple, any_of: jax.Array | None = None) -> tuple[tuple, jax.Array | None]:
-  """(each array's entries that `chosen` (..., k, n) marks, one per row, (..., k) each; the OR of `any_of`
-  (..., n) over n, or None), all in one variadic reduction over n. A pick is the masked sum of a single term, exact:
-  every array (32-bit, (..., n) or (n,)) is summed as its bits, so floats come back as they were (-0.0 and a NaN's
-  sign included), in one kernel where a reduction per array would take one each (as layer._sums)."""
-  operands = [jnp.where(chosen, lax.bitcast_convert_type(a, jnp.int32)[..., None, :], 0) for a in arrays]
-  inits = [np.int32(0)] * len(arrays)
-  if any_of is not None:
-    operands.append(jnp.broadcast_to(any_of[..., None, :], chosen.shape))
-    inits.append(np.bool_(False))
+def top_k_weighed(values: jax.Array, k: int, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(ids of `lax.top_k(values, k)`, weights at those ids) as two sibling reductions (a masked sum of a single term:
+  the weight exactly, for weights that are never -0.0, as probabilities are not); past PAIRWISE_MAX_COMPARES, ids
+  as `top_k` takes them and a gather. Where the values are a softmax (Qwen3-MoE's router), XLA's GPU compiler fuses
+  these two with it: 3 kernels, 4.6 us at one token on an H100, where `top_k`'s one variadic pick (with the NaN
+  flag's OR in it) took 5 kernels, 6.6 us (benchmarks/README.md, the routers' A/B)."""
+  if not _pairwise(values):
+    ids = _top_k_ids(values, k)
+    return ids, jnp.take_along_axis(weights, ids, axis=-1)
+  n = values.shape[-1]
+  chosen = _chosen(values, k)
+  ids = jnp.sum(jnp.where(chosen, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
+  return ids, jnp.sum(jnp.where(chosen, weights[..., None, :], jnp.zeros((), weights.dtype)), axis=-1)
 
-  def combine(a, b):
-    sums = tuple(x + y for x, y in zip(a[:len(arrays)], b[:len(arrays)]))
-    return sums if any_of is None else (*sums, a[-1] | b[-1])
 
-  out = lax.reduce(tuple(operands), tuple(inits), combine, (chosen.ndim - 1,))
-  picked = tuple(lax.bitcast_convert_type(o, a.dtype) for o, a in zip(out, arrays))
-  return picked, (None if any_of is None else out[-1][..., 0])
+def _chosen(values: jax.Array, k: int) -> jax.Array:
+  """(..., k, n) bool: row j marks the entry of rank j (one True per row)."""
+  return _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
+
+
+def pick(chosen: jax.Array, arrays: tuple) -> tuple[jax.Array, ...]:
+  """Each array's entries that `chosen` (..., k, n) marks, one per row, (..., k) each, all in one variadic reduction
+  over n. A pick is the masked sum of a single term, exact: every array (32-bit, (..., n) or (n,)) is summed as its
+  bits, so floats come back as they were (-0.0 and a NaN's sign included), in one kernel where a reduction per
+  array would take one each (as layer._sums)."""
+  operands = tuple(jnp.where(chosen, lax.bitcast_convert_type(a, jnp.int32)[..., None, :], 0) for a in arrays)
+  out = lax.reduce(operands, (np.int32(0),) * len(arrays), lambda a, b: tuple(x + y for x, y in zip(a, b)),
+                   (chosen.ndim - 1,))
+  return tuple(lax.bitcast_convert_type(o, a.dtype) for o, a in zip(out, arrays))
 
 
 def _pairwise(values: jax.Array) -> bool:
