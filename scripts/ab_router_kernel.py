@@ -1,7 +1,8 @@
-"""A/B on the GPU of the MoE routers' two implementations (jaxfp8/moe/routing.py): the Mosaic router kernel against
-XLA's compare-and-count top-k, on the same logits, one process, CUPTI kernel time, at T = 1 .. 4096 tokens, both
-families (DeepSeek-V3: 256 float32 logits with a correction bias; Qwen3-30B-A3B: 128 bfloat16 logits). Each case
-first checks that the two choose the same ids (and the largest weight difference).
+"""A/B on the GPU of the MoE routers' three implementations (jaxfp8/moe/routing.py): the Mosaic router kernel, XLA's
+compare-and-count top-k and XLA's merged form, on the same logits, one process, CUPTI kernel time, at T = 1 .. 4096
+tokens, both families (DeepSeek-V3: 256 float32 logits with a correction bias; Qwen3-30B-A3B: 128 bfloat16 logits):
+the data behind `routing.XLA_DEFAULT` and `MOSAIC_MIN_TOKENS`. Each case first checks that the others choose the
+Mosaic kernel's ids (and the largest weight difference).
 `python3 scripts/ab_router_kernel.py OUT.json [T,T,...]`"""
 import json
 import sys
@@ -24,10 +25,11 @@ def main(out: str, tokens=TOKENS) -> None:
     for t in tokens:
       sets = [((jax.random.normal(jax.random.key(i + t), (t, e), jnp.float32) * 2).astype(dtype), bias)
               for i in range(4)]
-      fns = {impl: jax.jit(lambda l, b, impl=impl: router(l, b, implementation=impl)) for impl in ("mosaic", "xla")}
+      fns = {impl: jax.jit(lambda l, b, impl=impl: router(l, b, implementation=impl))
+             for impl in ("mosaic", "xla", "xla_merge")}
       outs = [[np.asarray(a) for a in fn(*sets[0])] for fn in fns.values()]
-      row = dict(router=name, tokens=t, same_ids=bool(np.array_equal(outs[0][0], outs[1][0])),
-                 weights_max_diff=float(np.abs(outs[0][1] - outs[1][1]).max()),
+      row = dict(router=name, tokens=t, same_ids=all(np.array_equal(outs[0][0], o[0]) for o in outs[1:]),
+                 weights_max_diff=max(float(np.abs(outs[0][1] - o[1]).max()) for o in outs[1:]),
                  planned=router.explain(sets[0][0]).implementation)
       for impl, fn in fns.items():
         us, kernels = timing.median_kernel_us_and_kernels(fn, sets)

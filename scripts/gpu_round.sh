@@ -39,12 +39,15 @@
 #   grouped-blocks  block sizes of 64 on the Mosaic GEMMs: their GPU tests (dense and grouped), the grouped bench at
 #                 --block_size=64,64 and 128,64, and a sweep of the grouped decode schedules in 64- and 32-column tiles
 #                 beside the planner's at R = 8 and 64 (--gemm_configs). Not yet run
-#   moe           tests/test_moe.py and tests/test_moe_hardening.py on the GPU (the layer on the real kernels against
-#                 the reference; eager and jit bit-identical), then
+#   moe           tests/test_moe.py, tests/test_moe_hardening.py and the routers' tests on the GPU (the layer on the
+#                 real kernels against the reference; eager and jit bit-identical; about 330 s with 8 workers on an
+#                 H100, past one call with the bench: MOE_SKIP_TESTS=1 leaves them out), then
 #                 python -m jaxfp8 bench --ops=moe: the MoE layer step by step (route, sort, quantize, permute,
 #                 gate_up, silu_quant, down, combine) with the non-GEMM share, and whole, beside the same layer in bf16
 #                 on lax.ragged_dot and JAX's Pallas ragged dot, DeepSeek-V3 EP8 and Qwen3-30B-A3B at 1, 64, 4096
-#                 tokens (MOE_BENCH_ARGS overrides, e.g. --tokens; stops between layers at 420 s). Not yet run
+#                 tokens (MOE_BENCH_ARGS overrides, e.g. --tokens; stops between layers at 420 s)
+#   router-ab     scripts/ab_router_kernel.py: the routers' Mosaic kernel, XLA's compare-and-count and merged forms
+#                 on the same logits at T = 1 .. 4096 (the data behind routing.XLA_DEFAULT and MOSAIC_MIN_TOKENS)
 #   valid-rows    valid_rows on the GPU: tests/test_gemm.py -k valid_rows (the masked kernel at M = 13, 130, 4096, a
 #                 two-CTA persistent grid included), then python -m jaxfp8 bench --ops=valid_rows (a bucket with
 #                 valid_rows live against the exact rows and the whole bucket; VALID_ROWS_ARGS overrides, e.g.
@@ -182,9 +185,12 @@ for phase in "${phases[@]}"; do
           --expert_shapes="dsv3_ep8.gate_up;qwen3_30b_a3b.down" --routed_rows=8,4096 --implementations=mosaic \
           --time_budget_s=80 --out="$out/grouped_block_${bs/,/x}_h200.json"
       done ;;
-    moe) run tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py tests/test_gather_rows.py "${pytest_args[@]}" --junitxml="$out/tests_moe.junit.xml"
+    moe) [[ -n ${MOE_SKIP_TESTS:-} ]] || run tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py \
+           tests/test_gather_rows.py tests/test_route_topk_mosaic.py tests/test_route_xla_merge.py "${pytest_args[@]}" \
+           --junitxml="$out/tests_moe.junit.xml"
          run bench_moe python3 -m jaxfp8 bench --ops=moe ${MOE_BENCH_ARGS:---time_budget_s=420} \
            --out="$out/moe_h200.json" ;;
+    router-ab) run router_ab python3 scripts/ab_router_kernel.py "$out/router_ab_h200.json" ;;
     valid-rows) run tests_valid_rows python3 -m pytest tests/test_gemm.py -k valid_rows "${pytest_args[@]}" \
                   --junitxml="$out/tests_valid_rows.junit.xml"
                 run bench_valid_rows python3 -m jaxfp8 bench --ops=valid_rows ${VALID_ROWS_ARGS:-} \

@@ -36,12 +36,10 @@ KERNEL_MODULE = "pallas_kernels.route_topk_mosaic"
 IMPLEMENTATIONS = ("mosaic", "xla", "xla_merge")
 # Where the Mosaic router does not run by default, XLA's choice in this form: "xla", the compare-and-count top-k (a
 # chain of fused reductions, a kernel each), or "xla_merge", each row's k best as one reduction over sorted lists
-# (`topk.best_lists`). H100, CUPTI, the MoE bench's route step (same logits, same ids): DeepSeek-V3 "xla" 11.6 / 19.6
-# us at 1 / 64 tokens as six reductions (three now, not yet timed), "xla_merge" 28.7 / 23.7 (XLA splits the groups'
-# elementwise merge into many loop fusions, and the k outputs' stacking into concatenates: 15 kernels at one token;
-# the merge is now a reduction over the groups, not yet timed); Qwen3-MoE "xla" 6.3 us at one token (as six
-# reductions, four now), "xla_merge" 6.5; at 64 tokens "xla_merge" 8.2 against the Mosaic router's 9.3 (one point:
-# not yet the default).
+# (`topk.best_lists`). H100, CUPTI, the MoE bench's route step (same logits, same ids): DeepSeek-V3 "xla" 11.1 /
+# 18.8 / 67.5 us at 1 / 64 / 4096 tokens, "xla_merge" 11.5 / 15.7 / 106.2; Qwen3-MoE "xla" 6.3 us at one token,
+# "xla_merge" 6.5, and against the Mosaic router 8.2 / 24.8 at 64 / 4096 tokens (Mosaic 9.3 / 22.5). The merged form
+# is ahead at 64 tokens alone (one point per family: not the default).
 XLA_DEFAULT = {"sigmoid": "xla", "softmax": "xla"}  # per scoring: DeepSeek-V3's sigmoid, Qwen3-MoE's softmax
 # From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
 # scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
