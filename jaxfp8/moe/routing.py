@@ -251,7 +251,9 @@ class DeepSeekV3Router(_Routed):
     group_scores, group_nan = topk.two_best_summed(choice.reshape(t, self.n_group, e // self.n_group))
     allowed = topk.in_top_k(group_scores, self.topk_group)  # the topk_group best groups
     masked = jnp.where(jnp.repeat(allowed, e // self.n_group, axis=1), choice, -jnp.inf)
-    ids, weights = topk.top_k(masked, self.top_k, scores)
+    # the masked keys apart: else XLA's GPU compiler materializes the (E, E) compares of the ranks, recomputing the
+    # sigmoid scores and the groups' choice in them, in a kernel of their own (7 kernels at one token, 5 so)
+    ids, weights = topk.top_k(masked, self.top_k, scores, apart=True)
     return ids, _nan_tokens_get_nan(topk.any_along(group_nan), self._normalized(weights))
 
   def choose_merged(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -32,19 +32,20 @@ def order_keys(values: jax.Array) -> jax.Array:
   return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def top_k(values: jax.Array, k: int, *also: jax.Array) -> tuple[jax.Array, ...]:
+def top_k(values: jax.Array, k: int, *also: jax.Array, apart: bool = False) -> tuple[jax.Array, ...]:
   """`lax.top_k(values, k)` over the last axis (the k largest, in order, ties to the lower index, NaN by its sign),
   as (ids, then the chosen entries of each 32-bit array of `also`, same shape as values, bit for bit), in one of
   three forms. Up to PAIRWISE_MAX_COMPARES, each entry's rank is the count of entries that beat it, and the picks
   are one variadic reduction (`pick`): at decode two small kernels (one for a short row) where a sort-based top-k
   launches many. Past it, with k up to ROUNDS_MAX_K, k rounds of one argmax each over the entries not yet taken (a
   reduction of (free, key, index) triples: one kernel a round, where XLA's GPU top-k sorts every row), then gathers;
-  else `lax.top_k` itself. No derivative: the routers take theirs from a gather of the ids (routing._route)."""
+  else `lax.top_k` itself. apart: see `_ranks`. No derivative: the routers take theirs from a gather of the ids
+  (routing._route)."""
   if not _pairwise(values):
     ids = _top_k_ids(values, k)
     return (ids, *(jnp.take_along_axis(a, ids, axis=-1) for a in also))
   n = values.shape[-1]
-  return pick(_chosen(values, k), (jnp.arange(n, dtype=jnp.int32), *also))
+  return pick(_chosen(values, k, apart), (jnp.arange(n, dtype=jnp.int32), *also))
 
 
 def top_k_weighed(values: jax.Array, k: int, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -62,9 +63,9 @@ def top_k_weighed(values: jax.Array, k: int, weights: jax.Array) -> tuple[jax.Ar
   return ids, jnp.sum(jnp.where(chosen, weights[..., None, :], jnp.zeros((), weights.dtype)), axis=-1)
 
 
-def _chosen(values: jax.Array, k: int) -> jax.Array:
+def _chosen(values: jax.Array, k: int, apart: bool = False) -> jax.Array:
   """(..., k, n) bool: row j marks the entry of rank j (one True per row)."""
-  return _ranks(values)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
+  return _ranks(values, apart)[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
 
 
 def pick(chosen: jax.Array, arrays: tuple) -> tuple[jax.Array, ...]:
@@ -83,17 +84,21 @@ def _pairwise(values: jax.Array) -> bool:
   return values.size * values.shape[-1] <= PAIRWISE_MAX_COMPARES
 
 
-def _ranks(values: jax.Array) -> jax.Array:
+def _ranks(values: jax.Array, apart: bool = False) -> jax.Array:
   """(..., n) int32: each entry's place in `lax.top_k`'s order of the last axis (0 for the largest; ties to the
   lower index, NaN by its sign): the count of entries that beat it. Over a short row (n up to UNROLLED_MAX) a sum
   of n elementwise compares, no reduction of its own (it fuses into whatever reads it); else one fused reduction
-  over (..., n, n)."""
+  over (..., n, n). apart: the keys computed by a kernel of their own (an optimization barrier): where they come
+  from a costly chain, XLA's GPU compiler would otherwise materialize the (..., n, n) compares in a kernel of their
+  own and reduce them in another."""
   n = values.shape[-1]
   key = order_keys(values)
   if n <= UNROLLED_MAX:
     j = lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
     beats = [(key[..., h:h + 1] > key) | ((key[..., h:h + 1] == key) & (j > h)) for h in range(n)]
     return functools.reduce(jnp.add, [b.astype(jnp.int32) for b in beats])
+  if apart:
+    key = lax.optimization_barrier(key)
   index = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
   beats = (key[..., None, :] > key[..., :, None]) | ((key[..., None, :] == key[..., :, None]) & index)
   return jnp.sum(beats, axis=-1, dtype=jnp.int32)
@@ -239,20 +244,23 @@ def ids_and_weights(best: list, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def two_best_summed(grouped: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(each group's two best values summed (..., G), whether the group holds a NaN (..., G)) of grouped (..., G, n);
-  a NaN sum (inf + -inf: bias entries of both signs) ranks last on every platform (-inf), not by the sign of the NaN
-  it makes. With few values, the largest sum over pairs of distinct entries: float addition is monotone in each
-  operand, so that is the two best's sum, bit for bit, and the NaN flag is the OR beside it in one variadic fused
-  reduction (a pair making NaN drops out: a token holding a NaN gets NaN weights whatever its group scores, §8).
-  With more, the two best by `top_k`, then their sum, and the flag's own reduction."""
-  n = grouped.shape[-1]
-  if grouped.size * n > PAIRWISE_MAX_COMPARES:
-    s = top_k(grouped, 2, grouped)[1].sum(-1)
-    return jnp.where(jnp.isnan(s), -jnp.inf, s), jnp.any(jnp.isnan(grouped), axis=-1)
-  pairs = grouped[..., :, None] + grouped[..., None, :]
-  distinct = lax.broadcasted_iota(jnp.int32, (n, n), 0) != lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  sums = jnp.where(distinct & ~jnp.isnan(pairs), pairs, -jnp.inf)
-  nan = jnp.broadcast_to(jnp.isnan(grouped)[..., :, None], pairs.shape)  # every entry is some pair's first
-  init = (np.array(-np.inf, grouped.dtype), np.bool_(False))
-  return lax.reduce((sums, nan), init, lambda a, b: (jnp.maximum(a[0], b[0]), a[1] | b[1]),
-                    (grouped.ndim - 1, grouped.ndim))
+  """(each group's two best values summed (..., G), whether the group holds a NaN (..., G)) of grouped (..., G, n),
+  as one variadic reduction over n whose state is the two best so far and the NaN flag's OR: each entry is read
+  once, so XLA fuses whatever computes it (the sigmoid scores) into the reduction. A NaN entry counts as -inf, and a
+  NaN sum (inf + -inf: bias entries of both signs) ranks last on every platform (-inf), not by the sign of the NaN
+  it makes: that is the largest sum over pairs of distinct entries with the pairs that make NaN left out, bit for
+  bit (float addition is monotone in each operand; a token holding a NaN gets NaN weights whatever its group
+  scores, §8)."""
+  nan = jnp.isnan(grouped)
+  values = jnp.where(nan, -jnp.inf, grouped)
+  least = np.array(-np.inf, grouped.dtype)
+
+  def better_two(a, b):
+    # the two best of both pairs (each pair in order): the larger firsts, then the larger of the smaller first and
+    # the larger second
+    return (jnp.maximum(a[0], b[0]), jnp.maximum(jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])), a[2] | b[2])
+
+  best, second, flag = lax.reduce((values, jnp.full_like(values, least), nan), (least, least, np.bool_(False)),
+                                  better_two, (grouped.ndim - 1,))
+  s = best + second
+  return jnp.where(jnp.isnan(s), -jnp.inf, s), flag
