@@ -31,6 +31,15 @@ $(OLD_VENV)/.installed: pyproject.toml
 	$(OLD_PY) -m pip install -q -e '.[test]' 'jax==$(OLDEST_JAX)' 'jaxlib==$(OLDEST_JAX)'
 	touch $@
 
+# scripts/xla_gpu_kernels.py: XLA's GPU compiler on this machine, for an H100/H200 it does not have (JAX and the CUDA
+# plugin's compile-only topology; no CUDA libraries needed).
+GPU_OFFLINE_JAX := 0.12.1
+.venv-gpu-offline/.installed: pyproject.toml
+	test -x .venv-gpu-offline/bin/python || $$(scripts/find_python.sh) -m venv .venv-gpu-offline
+	.venv-gpu-offline/bin/python -m pip install -q -e . 'jax==$(GPU_OFFLINE_JAX)' 'jaxlib==$(GPU_OFFLINE_JAX)' \
+	  'jax-cuda13-plugin==$(GPU_OFFLINE_JAX)' 'jax-cuda13-pjrt==$(GPU_OFFLINE_JAX)'
+	touch $@
+
 .PHONY: run test test-jax-0.11 bench-cpu plots notebooks gpu-round
 run: $(VENV)/.installed
 	$(PY) -m jaxfp8
