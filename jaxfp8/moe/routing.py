@@ -6,9 +6,10 @@ Both take logits (..., E), any leading shape (the tokens, as the layer takes the
 whose routing values hold a NaN gets NaN for every one of its weights (§8).
 
 Three implementations of the choice after the logits (`plan` picks, `Router.explain` says which and why): "xla", the
-compare-and-count top-k below (a chain of small fused reductions, a kernel each: three for DeepSeek-V3's router at
-decode, four for Qwen3-MoE's), "xla_merge", each row's best entries as one reduction whose state is a sorted list
-(`topk.best_lists`; the groups' lists merged after it), and "mosaic", one Mosaic GPU kernel for the whole chain
+compare-and-count top-k below (a chain of small fused reductions: five kernels for DeepSeek-V3's choice at decode,
+three for Qwen3-MoE's, as XLA's GPU compiler builds them for sm_90; scripts/xla_gpu_kernels.py), "xla_merge", each
+row's best entries as one reduction whose state is a sorted list (`topk.best_lists`; the groups' lists merged after
+it), and "mosaic", one Mosaic GPU kernel for the whole chain
 (pallas_kernels/route_topk_mosaic.py), the default on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the
 problem (Qwen3's softmax router; DeepSeek-V3's is slower than XLA's). All give `lax.top_k`'s ids on the same values
 (Qwen3's merged form on the logits, whose order the probabilities keep but where two round to one);
@@ -242,9 +243,10 @@ class DeepSeekV3Router(_Routed):
 
   def choose(self, logits: jax.Array, correction_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """XLA's choice on checked logits (T, E) and correction_bias (E,), compare-and-count: at decode three
-    reductions, a kernel each: the group scores with each group's NaN flag (over the pairs of its entries), the
-    experts' ranks (each group's rank among the groups a sum of n_group elementwise compares, fused into the
-    masked biased scores the ranks compare), and the ids and weights picked together."""
+    reductions and five kernels for sm_90 (scripts/xla_gpu_kernels.py): the group scores with each group's NaN flag
+    (one pass over each group's entries, the sigmoid scores fused in), the masked biased scores' keys (each group's
+    rank among the groups a sum of n_group elementwise compares inside them), the experts' ranks, the ids and
+    weights picked together, the weights normalized."""
     t, e = logits.shape
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     choice = scores + correction_bias.astype(jnp.float32)[None, :]
