@@ -93,8 +93,9 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   and those of its own expert at a lower slot. With few slots (R x R within topk.PAIRWISE_MAX_COMPARES) that
   count is one fused reduction over (R, R); with more, a running count per expert (a cumulative sum over (E + 1, R):
   XLA's GPU cumsum is a scan kernel, a few times faster than the stable argsort it replaced at 4096 tokens), and past
-  COUNTING_MAX_ENTRIES of those a stable argsort. The order is then one scatter of the rows. With the layer's plan,
-  also the GEMMs' routing tables (`with_tables`)."""
+  COUNTING_MAX_ENTRIES of those a stable argsort. The order is then one scatter of the rows (pairwise, a fused
+  reduction). With the layer's plan, also the GEMMs' routing tables (`with_tables`; pairwise `_from_rows`, whose
+  table's first reduction also takes the order)."""
   ids = slot_ids.reshape(-1).astype(jnp.int32)
   n = ids.shape[0]
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
