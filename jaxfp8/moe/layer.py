@@ -72,15 +72,15 @@ def _from_rows(key: jax.Array, rank: jax.Array, within: jax.Array, group_sizes: 
   a reduction of its own."""
   gate_up_table, order = grouped.planner.prepare_from_rows(key, rank, within, group_sizes, plan.gate_up,
                                                            with_order=True)
-  same = grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down)
-  down_table = gate_up_table if same else grouped.planner.prepare_from_rows(key, rank, within, group_sizes, plan.down)
-  return Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, live,
-                  (gate_up_table, down_table))
+  tables = _both_tables(plan, lambda gemm_plan: grouped.planner.prepare_from_rows(key, rank, within, group_sizes,
+                                                                                  gemm_plan), gate_up_table)
+  return Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, live, tables)
 
 
-def _both_tables(plan, prepare) -> tuple:
-  """(gate_up's, down's) tables from prepare(gemm_plan): one built for both where the plans take the same one."""
-  gate_up_table = prepare(plan.gate_up)
+def _both_tables(plan, prepare, gate_up_table=None) -> tuple:
+  """(gate_up's, down's) tables from prepare(gemm_plan) (gate_up's given where the caller built it): one built for
+  both where the plans take the same one."""
+  gate_up_table = prepare(plan.gate_up) if gate_up_table is None else gate_up_table
   same = grouped.planner.prepared_key(plan.gate_up) == grouped.planner.prepared_key(plan.down)
   return gate_up_table, gate_up_table if same else prepare(plan.down)
 

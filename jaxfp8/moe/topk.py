@@ -55,8 +55,7 @@ def top_k_weighed(values: jax.Array, k: int, weights: jax.Array) -> tuple[jax.Ar
   these two with it: 3 kernels, 4.6 us at one token on an H100, where `top_k`'s one variadic pick (with the NaN
   flag's OR in it) took 5 kernels, 6.6 us (benchmarks/README.md, the routers' A/B)."""
   if not _pairwise(values):
-    ids = _top_k_ids(values, k)
-    return ids, jnp.take_along_axis(weights, ids, axis=-1)
+    return top_k(values, k, weights)
   n = values.shape[-1]
   chosen = _chosen(values, k)
   ids = jnp.sum(jnp.where(chosen, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
