@@ -571,7 +571,8 @@ def test_decode_dispatch_is_three_reductions(tokens, e, h, i):
   """At decode the layer's dispatch (the order, its inverse, the live count and the GEMMs' work-item table) is three
   reductions, each one kernel whatever XLA's sibling fusion does: the rank, index and live count of each slot; each
   item's start, end, the live count again and the slot at each row; each item's fields picked. Nothing else in it
-  reduces (the group sizes are read by nothing at decode) and nothing scatters."""
+  reduces (the group sizes are read by nothing at decode) and nothing scatters. The quantizers read the live count
+  where the first reduction left it (a slice of it would be a kernel of its own)."""
   with _platform.abstract_h200():
     plan = moe.explain(jax.ShapeDtypeStruct((tokens, h), jnp.bfloat16), jax.ShapeDtypeStruct((e, 2 * i, h), F8),
                        jax.ShapeDtypeStruct((e, h, i), F8), 8)
@@ -579,10 +580,11 @@ def test_decode_dispatch_is_three_reductions(tokens, e, h, i):
 
   def layer_reads(ids):
     d = moe_layer.dispatch(ids, e, plan)
-    return d.order, d.rank, d.live, d.tables
+    return d.order, d.rank, moe_layer._masked_m(d), d.tables
 
   text = jax.jit(layer_reads).lower(jax.ShapeDtypeStruct((tokens, 8), jnp.int32)).as_text()
   assert text.count("stablehlo.reduce") == 3 and "scatter" not in text and "sort" not in text, text[-3000:]
+  assert "stablehlo.slice" not in text, text[-3000:]
 
 
 @needs_mosaic
@@ -598,6 +600,8 @@ def test_dispatch_order_taken_with_the_table_is_the_same(rng):
     with_plan, alone = moe_layer.dispatch(ids, 16, plan), moe_layer.dispatch(ids, 16)
     key = np.where((np.asarray(ids) >= 0) & (np.asarray(ids) < 16), np.asarray(ids), 16).reshape(-1)
     np.testing.assert_array_equal(with_plan.order, np.argsort(key, kind="stable"))
+    np.testing.assert_array_equal(with_plan.live_counts, np.full(key.shape, np.sum(key < 16)))
+    assert int(with_plan.live) == np.sum(key < 16)
     np.testing.assert_array_equal(alone.order, with_plan.order)
     np.testing.assert_array_equal(alone.rank, with_plan.rank)
 

@@ -55,6 +55,9 @@ class Dispatch(NamedTuple):
   # (gate_up's, down's) grouped-GEMM routing tables (`grouped.planner.prepare`), built once for both where the two
   # plans take the same one; () when dispatched without a plan (each GEMM then builds its own).
   tables: tuple = ()
+  # (L,) int32, the live count in each entry, where dispatch's reduction computed it in every row: the quantizers
+  # read its first entry in place (slicing `live` out of it is a kernel of its own at decode); else None.
+  live_counts: jax.Array | None = None
 
 
 def with_tables(d: Dispatch, plan) -> Dispatch:
@@ -64,7 +67,7 @@ def with_tables(d: Dispatch, plan) -> Dispatch:
   return d._replace(tables=_both_tables(plan, lambda gemm_plan: grouped.planner.prepare(d.group_sizes, gemm_plan)))
 
 
-def _from_rows(key: jax.Array, rank: jax.Array, within: jax.Array, group_sizes: jax.Array, live: jax.Array,
+def _from_rows(key: jax.Array, rank: jax.Array, within: jax.Array, group_sizes: jax.Array, live_counts: jax.Array,
                plan) -> Dispatch:
   """The pairwise dispatch's tables, from the slots' keys and their index inside their expert's rows
   (`grouped.planner.prepare_from_rows`: fewer kernels than from the group sizes), and its order: the slot at each
@@ -74,7 +77,18 @@ def _from_rows(key: jax.Array, rank: jax.Array, within: jax.Array, group_sizes: 
                                                            with_order=True)
   tables = _both_tables(plan, lambda gemm_plan: grouped.planner.prepare_from_rows(key, rank, within, group_sizes,
                                                                                   gemm_plan), gate_up_table)
-  return Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, live, tables)
+  return Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, _live(live_counts), tables,
+                  live_counts)
+
+
+def _live(live_counts: jax.Array) -> jax.Array:
+  """The live count, () int32, from a vector holding it in each entry (0 when empty: no slot at all)."""
+  return live_counts[0] if live_counts.shape[0] else jnp.int32(0)
+
+
+def _masked_m(d: Dispatch) -> jax.Array:
+  """The quantizers' valid-row vector for d's rows: its first entry the live count."""
+  return d.live.reshape(1) if d.live_counts is None or not d.live_counts.shape[0] else d.live_counts
 
 
 def _both_tables(plan, prepare, gate_up_table=None) -> tuple:
@@ -104,9 +118,9 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     same_earlier = (key[None, :] == key[:, None]) & earlier
     # each slot's row, its index among its expert's slots and (in every row alike) the live count, as one variadic
     # reduction over (R, R): one kernel, whatever the compiler's sibling fusion does
-    rank, within, live = _sums(((key[None, :] < key[:, None]) | same_earlier, same_earlier,
-                                jnp.broadcast_to(key[None, :] < experts, (n, n))))
-    live = live[0] if n else jnp.int32(0)
+    rank, within, live_counts = _sums(((key[None, :] < key[:, None]) | same_earlier, same_earlier,
+                                       jnp.broadcast_to(key[None, :] < experts, (n, n))))
+    live = _live(live_counts)
     order = None  # taken with the tables where the plan builds them from the rows (`_from_rows`)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
   elif (experts + 1) * n <= COUNTING_MAX_ENTRIES:
@@ -129,7 +143,7 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   if plan is not None and plan.row_align > 1:
     return _aligned(key, rank, group_sizes, plan)
   if plan is not None and within is not None:
-    return _from_rows(key, rank, within, group_sizes, live, plan)
+    return _from_rows(key, rank, within, group_sizes, live_counts, plan)
   d = Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, live)
   return d if plan is None else with_tables(d, plan)
 
@@ -205,7 +219,7 @@ def gate_up(a_q, a_s, d: Dispatch, w13_q, w13_s, plan) -> jax.Array:
 
 def silu_quant(h: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
   """SiLU(gate) * up of the live rows of h, quantized: codes (R', I) and scales; rows past `live` unspecified."""
-  h_q, h_s = quant.planner.run(h[None], d.live.reshape(1), plan=plan.quant_h)
+  h_q, h_s = quant.planner.run(h[None], _masked_m(d), plan=plan.quant_h)
   return h_q[0], h_s[0]
 
 
@@ -219,7 +233,7 @@ def steps(plan) -> tuple[str, ...]:
 def quantize_permute(x: jax.Array, d: Dispatch, plan) -> tuple[jax.Array, jax.Array]:
   """quantize and permute in one kernel (plan.permute_in_quantize): the codes (B, H) and scales of expert-order row
   r < live quantized from x[order[r] // top_k]; rows from `live` on unspecified."""
-  a_q, a_s = quant.planner.run(x[None], d.live.reshape(1), plan=plan.quant_x, source=d.order)
+  a_q, a_s = quant.planner.run(x[None], _masked_m(d), plan=plan.quant_x, source=d.order)
   return a_q[0], a_s[0]
 
 

@@ -160,7 +160,9 @@ def run(x3: jax.Array, masked_m: jax.Array | None, *, plan: QuantPlan,
         source: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Executes `plan` on x3 (batch, rows, k_in): q (batch, out_rows, k) and the scales in the plan's layout. A
   gathering plan (gather_divisor > 0) quantizes the rows x3[:, source // gather_divisor] (source int32 (rows,)):
-  the Mosaic kernel reads them where they are; the other backends gather them first."""
+  the Mosaic kernel reads them where they are; the other backends gather them first. masked_m: int32, its first
+  `batch` entries the valid rows of each batch (a longer vector reaches the Mosaic kernel as it is: the MoE layer's
+  live count fills every entry of its dispatch reduction's output, and slicing one out is a kernel of its own)."""
   p = plan.problem
   backend = BACKENDS[plan.implementation]
   if p.gather_divisor and not getattr(backend, "GATHERS_ROWS", False):
@@ -171,7 +173,7 @@ def run(x3: jax.Array, masked_m: jax.Array | None, *, plan: QuantPlan,
   elif getattr(backend, "CLIPS_VALID_ROWS", False):
     valid_rows = masked_m  # at decode a separate clip would be a kernel of its own
   else:
-    valid_rows = jnp.clip(masked_m, 0, p.rows)
+    valid_rows = jnp.clip(masked_m[:p.batch], 0, p.rows)
   if p.empty:
     return _empty_outputs(p)
   if source is not None:
