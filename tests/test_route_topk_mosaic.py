@@ -132,12 +132,17 @@ def test_the_plan_says_which_runs_and_why():
   hopper = fake_device((9, 0))
   for router in (DEEPSEEK, QWEN3):
     least = routing.MOSAIC_MIN_TOKENS[router.kernel_routing().scoring]
-    for tokens in (1, 63, 64, 4096):
+    lo, hi = routing.MERGED_TOKENS[router.kernel_routing().scoring]
+    for tokens in sorted({1, 7, 8, 63, 64, 512, 513, 4096, lo - 1, lo, hi, hi + 1}):
       chosen = router.explain(jax.ShapeDtypeStruct((tokens, 256), jnp.float32), device=hopper, interpret=False)
-      if least is not None and tokens >= least:
+      if lo <= tokens <= hi:
+        assert chosen.implementation == "xla_merge" and f"in [{lo}, {hi}]" in chosen.reason, chosen
+      elif least is not None and tokens >= least:
         assert chosen.implementation == "mosaic" and "one Mosaic GPU kernel" in str(chosen)
       else:
         assert chosen.implementation == "xla" and ("tokens <" in chosen.reason or "slower than XLA's" in chosen.reason)
+  # off Hopper the merged band does not apply: XLA_DEFAULT's form at every token count
+  assert DEEPSEEK.explain(jax.ShapeDtypeStruct((64, 256), jnp.float32), device=fake_device(None)).implementation == "xla"
   assert DEEPSEEK.explain(logits, device=fake_device(None)).implementation == "xla"
   assert DEEPSEEK.explain(logits, device=fake_device((8, 9)), interpret=False).implementation == "xla"
   too_many = jax.ShapeDtypeStruct((4, 512), jnp.float32)

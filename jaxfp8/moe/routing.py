@@ -11,7 +11,8 @@ three for Qwen3-MoE's, as XLA's GPU compiler builds them for sm_90; scripts/xla_
 row's best entries as one reduction whose state is a sorted list (`topk.best_lists`; the groups' lists merged after
 it), and "mosaic", one Mosaic GPU kernel for the whole chain
 (pallas_kernels/route_topk_mosaic.py), the default on Hopper from MOSAIC_MIN_TOKENS tokens where it takes the
-problem (Qwen3's softmax router; DeepSeek-V3's is slower than XLA's). All give `lax.top_k`'s ids on the same values
+problem (Qwen3's softmax router; DeepSeek-V3's is slower than XLA's); the merged form is Hopper's default within
+MERGED_TOKENS. All give `lax.top_k`'s ids on the same values
 (Qwen3's merged form on the logits, whose order the probabilities keep but where two round to one);
 the weights may differ by the rounding of each one's exp and k-term sum (§8: weights to float32 rounding). All are
 differentiable in the logits, each through the XLA weights of the ids it chose (`weights_of`: the XLA forms pick
@@ -35,20 +36,22 @@ from jaxfp8.moe import topk
 
 KERNEL_MODULE = "pallas_kernels.route_topk_mosaic"
 IMPLEMENTATIONS = ("mosaic", "xla", "xla_merge")
-# Where the Mosaic router does not run by default, XLA's choice in this form: "xla", the compare-and-count top-k (a
-# chain of fused reductions, a kernel each), or "xla_merge", each row's k best as one reduction over sorted lists
-# (`topk.best_lists`). H100, CUPTI, the MoE bench's route step (same logits, same ids): DeepSeek-V3 "xla" 11.1 /
-# 18.8 / 67.5 us at 1 / 64 / 4096 tokens, "xla_merge" 11.5 / 15.7 / 106.2; Qwen3-MoE "xla" 6.3 us at one token,
-# "xla_merge" 6.5, and against the Mosaic router 8.2 / 24.8 at 64 / 4096 tokens (Mosaic 9.3 / 22.5). The merged form
-# is ahead at 64 tokens alone (one point per family: not the default).
+# Off Hopper, XLA's choice in this form: "xla", the compare-and-count top-k (a chain of fused reductions, a kernel
+# each), or "xla_merge", each row's k best as one reduction over sorted lists (`topk.best_lists`).
 XLA_DEFAULT = {"sigmoid": "xla", "softmax": "xla"}  # per scoring: DeepSeek-V3's sigmoid, Qwen3-MoE's softmax
-# From this many tokens the Mosaic router runs by default, per scoring (None: never by default). H200, CUPTI,
-# scripts/ab_router_kernel.py: Qwen3's softmax over 128 experts takes 5.7 us at every T up to 512 and 7.1 at 4096,
-# XLA's 5.4 / 5.8 / 7.1 / 14.3 / 21.7 at 1 / 8 / 64 / 512 / 4096 tokens (level at 8, 1.2x faster at 64, 3x at 4096).
-# DeepSeek-V3's sigmoid over 256 experts (two 128-column chunks in a loop) takes 35 us at every T alone (H100), and
+# On Hopper, per scoring, the token counts (inclusive) where the merged form runs by default; outside them
+# DeepSeek-V3's choice is XLA_DEFAULT's form and Qwen3-MoE's the Mosaic router from MOSAIC_MIN_TOKENS (else XLA's).
+# H100, CUPTI, scripts/ab_router_kernel.py (the routers alone, same logits, same ids), us at 1 / 8 / 64 / 512 / 4096
+# tokens: DeepSeek-V3 "xla" 5.95 / 6.29 / 11.3 / 17.9 / 33.8, "xla_merge" 8.74 / 9.66 / 9.95 / 15.4 / 70.8;
+# Qwen3-MoE "xla" 4.90 / 6.45 / 10.6 / 16.4 / 23.8, "xla_merge" 5.31 / 4.93 / 5.12 / 5.22 / 11.1, the Mosaic router
+# 5.68 / 5.66 / 5.68 / 6.02 / 7.33. The bands end at the last measured point each form led.
+MERGED_TOKENS = {"sigmoid": (64, 512), "softmax": (8, 512)}
+# From this many tokens the Mosaic router runs by default on Hopper, past the merged band, per scoring (None: never
+# by default). Qwen3's softmax over 128 experts: 7.3 us at 4096 tokens against the merged form's 11.1 (above).
+# DeepSeek-V3's sigmoid over 256 experts (two 128-column chunks in a loop) takes 33-36 us at every T alone, and
 # inside the MoE layer loses at every T, 4096 tokens included (36 / 39 / 97 us against XLA's 13 / 22 / 73 at 1 / 64 /
 # 4096 tokens, H100): off.
-MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": 8}
+MOSAIC_MIN_TOKENS = {"sigmoid": None, "softmax": 513}
 
 
 def _kernel():
@@ -64,9 +67,9 @@ _XLA_FORMS = {"xla": "XLA's compare-and-count top-k", "xla_merge": "XLA's top-k 
 
 def plan(router, tokens: int, experts: int, dtype, implementation: str | None = None, interpret: bool | None = None,
          device: _platform.Device | None = None) -> RoutePlan:
-  """The plan of `router` on logits (tokens, experts) of dtype: the Mosaic kernel on Hopper where it takes the
-  problem, else XLA's choice in the form XLA_DEFAULT names; `implementation` overrides (a ValueError says why the
-  Mosaic one cannot run here)."""
+  """The plan of `router` on logits (tokens, experts) of dtype: on Hopper the merged form within MERGED_TOKENS, the
+  Mosaic kernel from MOSAIC_MIN_TOKENS where it takes the problem; else XLA's choice in the form XLA_DEFAULT names.
+  `implementation` overrides (a ValueError says why the Mosaic one cannot run here)."""
   _checks.one_of("implementation", implementation, IMPLEMENTATIONS)
   interpret = _platform.resolve_interpret(_checks.interpret(interpret))
   device = device or _platform.device()
@@ -84,6 +87,10 @@ def plan(router, tokens: int, experts: int, dtype, implementation: str | None = 
   if implementation is None:
     if device.capability is None or (interpret and not device.is_hopper):
       return xla(f"no Hopper GPU (device {device.describe()}); name implementation='mosaic' to interpret the kernel")
+    lo, hi = MERGED_TOKENS[router.SCORING]
+    if device.is_hopper and lo <= tokens <= hi:
+      return RoutePlan("xla_merge", None, interpret, f"{_XLA_FORMS['xla_merge']} ({tokens} tokens in [{lo}, {hi}]: "
+                       "measured ahead of the other forms there on Hopper)")
     if why:
       return xla(f"the Mosaic router cannot run: {why}")
     least = MOSAIC_MIN_TOKENS[spec.scoring]
@@ -91,7 +98,7 @@ def plan(router, tokens: int, experts: int, dtype, implementation: str | None = 
       return xla(f"the Mosaic router's {spec.scoring} scoring measured slower than XLA's inside the MoE layer at "
                  "every token count; implementation='mosaic' runs it")
     if tokens < least:
-      return xla(f"{tokens} tokens < {least}: its few kernels are level with the Mosaic router's one")
+      return xla(f"{tokens} tokens < {least}: its few kernels measured ahead of the Mosaic router's one")
     return RoutePlan("mosaic", spec, interpret, f"Hopper GPU {device.describe()}: one Mosaic GPU kernel for the "
                      f"whole choice of {tokens} tokens (XLA runs it as a chain of small reductions, a kernel each)")
   if why:
