@@ -33,7 +33,7 @@ from jaxfp8.moe import topk
 from jaxfp8.moe.weights import MoeWeights, load_hf_moe, save_hf_moe
 from jaxfp8.weights import Fp8LinearWeight
 
-from helpers import MOSAIC_GEMM_IMPORTABLE, MOSAIC_QUANT_IMPORTABLE, fake_device, kernel_calls, lowered_ops
+from helpers import MOSAIC_GEMM_IMPORTABLE, MOSAIC_QUANT_IMPORTABLE, ON_GPU, fake_device, kernel_calls, lowered_ops
 
 F8 = jnp.float8_e4m3fn
 TOL = 1e-2  # docs/CONTRACT.md §8, bfloat16 x
@@ -383,16 +383,19 @@ def test_layer_other_dtypes_and_block_sizes(rng, dtype):
 @needs_mosaic
 @pytest.mark.parametrize("block_size", [(64, 64), (128, 64)])
 def test_layer_on_the_kernels_with_blocks_of_64(rng, block_size):
-  """The Mosaic kernels (interpreted) with blocks of 64, named: the quantizer's groups of gk, the grouped GEMMs'
-  scales per 64 columns or K, the SiLU-and-mul quantizer outside gate_up (its fused epilogue takes 128 only)."""
+  """The Mosaic kernels with blocks of 64 (interpreted where there is no GPU), named: the quantizer's groups of gk,
+  the grouped GEMMs' scales per 64 columns or K, the SiLU-and-mul quantizer outside gate_up (its fused epilogue takes
+  128 only). On a GPU the kernels run natively: interpreted there (Pallas's GPU interpreter on XLA:GPU) the layer
+  missed the reference by 1.3% on an H100, where the native kernels pass and the CPU interpreter passes on the same
+  draws (WORKSPACE.md)."""
   experts = tuple(map(jnp.asarray, _experts(rng, e=4, h=256, i=128, block_size=block_size)))
   x = jnp.asarray(rng.standard_normal((23, 256)), jnp.bfloat16)
   ids, weights = _routing(rng, 23, 4, 2, empty=[1])
-  plan = moe.explain(x, experts[0], experts[2], 2, block_size, implementation="mosaic", interpret=True)
+  plan = moe.explain(x, experts[0], experts[2], 2, block_size, implementation="mosaic", interpret=not ON_GPU)
   assert plan.gate_up.implementation == plan.down.implementation == "mosaic", str(plan)
   assert not plan.fused_silu_quant, str(plan)
   out = moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *experts, block_size, implementation="mosaic",
-                    interpret=True)
+                    interpret=not ON_GPU)
   assert ref.relative_error(np.asarray(out, np.float32), _expected(x, ids, weights, experts, block_size)) <= TOL
 
 
