@@ -81,7 +81,7 @@ def case(step: str, layer_name: str, tokens: int):
   if step == "dispatch":
     def reads(ids):
       d = moe_layer.dispatch(ids, e, plan)
-      return d.order, d.rank, d.live, d.tables
+      return d.order, d.rank, moe_layer._masked_m(d), d.tables  # the live count as the layer's quantizers read it
     return reads, (ids,)
   weights = (s((e, 2 * i, h), F8), s((e, 2 * i // 128, h // 128), jnp.float32), s((e, h, i), F8),
              s((e, h // 128, i // 128), jnp.float32))
