@@ -79,10 +79,6 @@ class MosaicGemmConfig:
     4% slower, M=256 128x160 tiles scaled per column 1.5x), so the prefill schedules leave it off.
   skip_idle_consumers: grouped kernel: a consumer warpgroup whose part of a work item's tile holds none of its rows
     runs no wgmma (False: it computes rows it will not store, as two consumers did before the flag).
-  zeros_by_xla: grouped kernel, rows no group owns that must be zeros: the table holds no zero items (the kernel
-    writes the groups' rows only) and the launcher selects zeros into the other rows with one XLA select over the
-    output. At decode each zero item costs the tile loop a step per column tile (the masked layout: one per expert),
-    a select over a small output one kernel.
   sub_tile_n: columns of one sub-tile (one wgmma and its promotion); None: the warpgroup's columns in as few equal
     parts of at most MAX_SUB_N as there can be. A narrower sub-tile holds a smaller fresh wgmma accumulator
     (64 * sub_n / 128 registers a thread): where the compiler ignores setmaxnreg (JAX 0.12's libnvJitLink) a consumer
@@ -107,7 +103,6 @@ class MosaicGemmConfig:
   cluster_dim: Dim | None = None
   weight_scales_ahead: bool = False
   skip_idle_consumers: bool = True
-  zeros_by_xla: bool = False
   sub_tile_n: int | None = None
   block_n: int = BLOCK
   block_k: int = BLOCK

@@ -533,40 +533,18 @@ def masked_items(masked_m: jax.Array, rows: int, tile_m: int, zero_unowned_rows:
                     masked_num_items(masked_m.shape[0], rows, tile_m, zero_unowned_rows))
 
 
-def zero_items(zero_unowned_rows: bool, config: MosaicGemmConfig) -> bool:
-  """Whether the work-item table of a call holds zero items: rows no group owns must be zeros and the kernel writes
-  them (`MosaicGemmConfig.zeros_by_xla`: the launcher does)."""
-  return zero_unowned_rows and not config.zeros_by_xla
-
-
-def _zeros_past(out: jax.Array, owned: jax.Array) -> jax.Array:
-  """out (B, rows, N) with each batch's rows from owned (B,) int32 set to zero (rows the kernel left unwritten)."""
-  rows = lax.broadcasted_iota(jnp.int32, out.shape, 1)
-  return jnp.where(rows < owned[:, None, None], out, jnp.zeros((), out.dtype))
-
-
-def _owned_rows(items: jax.Array, batches: int) -> jax.Array:
-  """(B,) int32: the end of each batch's owned rows in a table (the largest hi of its computed items; 0 if none):
-  both layouts own each batch's rows from 0 up to it, where the rows no group owns are to be zeros."""
-  computed = (items[1] != ZERO_GROUP) & (items[ITEM_LO] < items[ITEM_HI])
-  hit = computed[None, :] & (items[0][None, :] == jnp.arange(batches, dtype=jnp.int32)[:, None])
-  return jnp.max(jnp.where(hit, items[ITEM_HI][None, :], 0), axis=1, initial=0)
-
-
 def ragged_block_fp8_matmul(a_q, b_q, a_s_col, b_s, group_sizes, *, out_dtype=jnp.bfloat16,
                             config: MosaicGemmConfig, num_sms: int, zero_unowned_rows: bool = True,
                             items: jax.Array | None = None, interpret: bool = False) -> jax.Array:
   """The ragged layout: a_q (M, K), a_s_col (K/128, M') column-major (M' >= M, M' % 4 == 0), b_q (E, N, K),
   b_s (E, N/128, K/128), group_sizes int32 (E,). Returns (M, N); the rows past the groups are zeros, or with
   zero_unowned_rows=False not written at all (for a caller that never reads them). items: `ragged_items` of these
-  group sizes for config.tile_m with `zero_items` (None: built here)."""
+  group sizes for config.tile_m (None: built here)."""
   m = a_q.shape[0]
   if items is None:
-    items = ragged_items(group_sizes, m, config.tile_m, zero_items(zero_unowned_rows, config))
+    items = ragged_items(group_sizes, m, config.tile_m, zero_unowned_rows)
   out = grouped_block_fp8_matmul(a_q[None], b_q, a_s_col[None], b_s, items, out_rows=m, out_dtype=out_dtype,
                                  config=config, num_sms=num_sms, interpret=interpret)
-  if zero_unowned_rows and config.zeros_by_xla:
-    out = _zeros_past(out, _owned_rows(items, 1))
   return out[0]
 
 
@@ -575,21 +553,16 @@ def masked_block_fp8_matmul(a_q, b_q, a_s_col, b_s, masked_m, *, out_dtype=jnp.b
                             items: jax.Array | None = None, interpret: bool = False) -> jax.Array:
   """The masked layout: a_q (E, T, K), a_s_col (E, K/128, T') column-major (T' >= T, T' % 4 == 0), b_q (E, N, K),
   b_s (E, N/128, K/128), masked_m int32 (E,). Returns (E, T, N); rows past masked_m are zeros, or with
-  zero_unowned_rows=False not written. items: `masked_items` of these counts for config.tile_m with `zero_items`
-  (None: built here)."""
+  zero_unowned_rows=False not written. items: `masked_items` of these counts for config.tile_m (None: built here)."""
   rows = a_q.shape[1]
   if items is None:
-    items = masked_items(masked_m, rows, config.tile_m, zero_items(zero_unowned_rows, config))
-  out = grouped_block_fp8_matmul(a_q, b_q, a_s_col, b_s, items, out_rows=rows, out_dtype=out_dtype,
-                                 config=config, num_sms=num_sms, interpret=interpret)
-  if zero_unowned_rows and config.zeros_by_xla:
-    owned = _owned_rows(items, a_q.shape[0]) if masked_m is None else jnp.clip(masked_m.astype(jnp.int32), 0, rows)
-    out = _zeros_past(out, owned)
-  return out
+    items = masked_items(masked_m, rows, config.tile_m, zero_unowned_rows)
+  return grouped_block_fp8_matmul(a_q, b_q, a_s_col, b_s, items, out_rows=rows, out_dtype=out_dtype,
+                                  config=config, num_sms=num_sms, interpret=interpret)
 
 
 __all__ = ["BLOCK", "SMEM_BYTES", "WGMMA_M", "Dim", "MosaicGemmConfig", "config_problems", "fit_smem",
            "ragged_block_fp8_matmul", "masked_block_fp8_matmul", "grouped_block_fp8_matmul", "work_items",
            "ragged_items", "ragged_items_from_rows", "ragged_items_from_starts", "masked_items", "ragged_segments",
-           "masked_segments", "live_item_count", "zero_items", "epi_n", "smem_bytes", "gate_up_silu_quant", "silu_quant_problems",
+           "masked_segments", "live_item_count", "epi_n", "smem_bytes", "gate_up_silu_quant", "silu_quant_problems",
            "silu_quant_smem_bytes"]

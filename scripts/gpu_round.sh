@@ -39,10 +39,6 @@
 #   grouped-blocks  block sizes of 64 on the Mosaic GEMMs: their GPU tests (dense and grouped), the grouped bench at
 #                 --block_size=64,64 and 128,64, and a sweep of the grouped decode schedules in 64- and 32-column tiles
 #                 beside the planner's at R = 8 and 64 (--gemm_configs). Not yet run
-#   grouped-masked-zeros  the masked layout at decode (R = 8, 64, 256, issue 36's expert shapes): the planner's
-#                 schedule storing each expert's zero rows as work items, the same with the zeros selected by XLA
-#                 after the kernel (MosaicGemmConfig.zeros_by_xla), without zeros (masked_mosaic_live), and ragged.
-#                 Not yet run
 #   moe           tests/test_moe.py, tests/test_moe_hardening.py and the routers' tests on the GPU (the layer on the
 #                 real kernels against the reference; eager and jit bit-identical; about 330 s with 8 workers on an
 #                 H100, past one call with the bench: MOE_SKIP_TESTS=1 leaves them out), then
@@ -189,15 +185,6 @@ for phase in "${phases[@]}"; do
           --expert_shapes="dsv3_ep8.gate_up;qwen3_30b_a3b.down" --routed_rows=8,4096 --implementations=mosaic \
           --time_budget_s=80 --out="$out/grouped_block_${bs/,/x}_h200.json"
       done ;;
-    grouped-masked-zeros)
-      # issue 36's masked layout at decode: the planner's (zero items in the kernel) beside the same schedule with
-      # the zeros selected by XLA (zeros_by_xla) and with no zeros at all (masked_mosaic_live), ragged for reference
-      masked="max_concurrent_steps=4,k_blocks_per_step=2,num_compute_wgs=1,weight_scales_ahead=True,live_grid=True"
-      run bench_grouped_masked_zeros python3 -m jaxfp8 bench --ops=grouped --routed_rows=8,64,256 --seed=0 \
-        --expert_shapes="qwen3_30b_a3b.gate_up;qwen3_30b_a3b.down;dsv3_ep8.gate_up;dsv3_ep8.down;qwen3_235b_a22b_ep8.gate_up" \
-        --implementations=mosaic,masked_mosaic,masked_mosaic_live --time_budget_s=300 \
-        --gemm_configs="masked_mosaic:tile_m=64,tile_n=128,$masked,zeros_by_xla=True" \
-        --out="$out/grouped_masked_zeros_h200.json" ;;
     moe) [[ -n ${MOE_SKIP_TESTS:-} ]] || run tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py \
            tests/test_gather_rows.py tests/test_route_topk_mosaic.py tests/test_route_xla_merge.py "${pytest_args[@]}" \
            --junitxml="$out/tests_moe.junit.xml"

@@ -558,40 +558,6 @@ def test_mosaic_masked_live_grid(rng, case, zero_unowned_rows):
     assert ref.relative_error(out[owned], expect[owned].astype(np.float32)) <= TOL[jnp.dtype(jnp.float32)]
 
 
-@needs_mosaic
-@pytest.mark.parametrize("kind", ["ws1_64x128_live_grid", "ws1_64x128_k2_ahead"])
-@pytest.mark.parametrize("layout", ["ragged", "masked"])
-def test_zeros_by_xla_equal_the_kernels_zeros(rng, layout, kind):
-  """`zeros_by_xla`: the table holds no zero items and the launcher selects zeros into the rows no group owns (the
-  interpreter's NaN fill of the rows the kernel leaves would show otherwise): bit for bit the call whose kernel
-  stores them, on the counts and on a prepared table, every expert empty included."""
-  from jaxfp8 import grouped
-  if layout == "ragged":
-    rows, cases = 150, ([70, 0, 1, 60, 0, 10], [0, 0, 0, 0, 0, 0])
-    make = lambda counts: _ragged_case(rng, counts, rows, 256, 256, column_major=True)
-  else:
-    rows, cases = 70, ([5, 0, 70, 99], [0, 0, 0, 0])
-    make = lambda counts: _masked_case(rng, counts, rows, 256, 256, column_major=True)
-  for counts in cases:
-    args, expect = make(counts)
-    a_q, b_q, a_s, b_s, sizes = map(jnp.asarray, args[:5])
-    p = grouped.problem(layout, b_q.shape[0], rows, b_q.shape[1], b_q.shape[2], (128, 128), out_dtype=jnp.float32,
-                        a_s_column_major=True)
-    outs = []
-    for by_xla in (False, True):
-      config = dataclasses.replace(KINDS[kind], zeros_by_xla=by_xla)
-      plan = grouped.plan(p, implementation="mosaic", config=config, interpret=True)
-      table = grouped.planner.prepare(sizes, plan)
-      items = np.asarray(table)
-      zero_items = (items[1] == ggm.ZERO_GROUP) & (items[ggm.ITEM_LO] < items[ggm.ITEM_HI])
-      assert zero_items.any() != by_xla, items  # every case has rows no group owns
-      outs.append(np.asarray(grouped.planner.run(a_q, b_q, a_s, b_s, sizes, plan=plan)))
-      np.testing.assert_array_equal(
-          np.asarray(grouped.planner.run(a_q, b_q, a_s, b_s, table, plan=plan, prepared=True)), outs[-1])
-    np.testing.assert_array_equal(outs[1], outs[0])
-    _check(outs[1], expect, jnp.float32)
-
-
 def _items_cover(items, segments, tile_m):
   """Host check of the work-item table: every segment row in exactly one item of its segment, items in one row tile."""
   items = np.asarray(items)

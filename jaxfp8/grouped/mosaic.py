@@ -183,17 +183,15 @@ def _column_major(a_s, rows: int, column_major: bool):
 
 def items_key(problem, config):
   """What the work-item table of a call depends on besides its counts: calls with equal keys can share one."""
-  return ("mosaic", problem.layout, problem.groups, problem.rows,
-          _kernel().zero_items(problem.zero_unowned_rows, config), config.tile_m)
+  return ("mosaic", problem.layout, problem.groups, problem.rows, problem.zero_unowned_rows, config.tile_m)
 
 
 def prepare(counts, problem, config):
   """The work-item table of `counts` (the launch's prologue, `items_key`)."""
   K = _kernel()
-  zeros = K.zero_items(problem.zero_unowned_rows, config)
   if problem.layout == "ragged":
-    return K.ragged_items(counts, problem.rows, config.tile_m, zeros)
-  return K.masked_items(counts, problem.rows, config.tile_m, zeros)
+    return K.ragged_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
+  return K.masked_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
 
 
 def prepare_from_rows(groups, rows, within, group_sizes, problem, config, with_order: bool = False):
