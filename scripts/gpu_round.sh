@@ -39,6 +39,8 @@
 #   grouped-blocks  block sizes of 64 on the Mosaic GEMMs: their GPU tests (dense and grouped), the grouped bench at
 #                 --block_size=64,64 and 128,64, and a sweep of the grouped decode schedules in 64- and 32-column tiles
 #                 beside the planner's at R = 8 and 64 (--gemm_configs). Not yet run
+#   grouped-masked  the masked layout at decode (R = 8, 64, 256, issue 36's expert shapes): zeroed rows past each
+#                 expert's count, unwritten ones (masked_mosaic_live), and ragged. Not yet run
 #   moe           tests/test_moe.py, tests/test_moe_hardening.py and the routers' tests on the GPU (the layer on the
 #                 real kernels against the reference; eager and jit bit-identical; about 330 s with 8 workers on an
 #                 H100, past one call with the bench: MOE_SKIP_TESTS=1 leaves them out), then
@@ -185,6 +187,14 @@ for phase in "${phases[@]}"; do
           --expert_shapes="dsv3_ep8.gate_up;qwen3_30b_a3b.down" --routed_rows=8,4096 --implementations=mosaic \
           --time_budget_s=80 --out="$out/grouped_block_${bs/,/x}_h200.json"
       done ;;
+    grouped-masked)
+      # issue 36's masked layout at decode: with the rows past each expert's count zeroed (the planner's), without
+      # them (masked_mosaic_live: those rows unwritten), and ragged, at the bench's T (each expert's capacity rounded
+      # up to 64 rows)
+      run bench_grouped_masked python3 -m jaxfp8 bench --ops=grouped --routed_rows=8,64,256 --seed=0 \
+        --expert_shapes="qwen3_30b_a3b.gate_up;qwen3_30b_a3b.down;dsv3_ep8.gate_up;dsv3_ep8.down;qwen3_235b_a22b_ep8.gate_up" \
+        --implementations=mosaic,masked_mosaic,masked_mosaic_live --time_budget_s=300 \
+        --out="$out/grouped_masked_h200.json" ;;
     moe) [[ -n ${MOE_SKIP_TESTS:-} ]] || run tests_moe python3 -m pytest tests/test_moe.py tests/test_moe_hardening.py \
            tests/test_gather_rows.py tests/test_route_topk_mosaic.py tests/test_route_xla_merge.py "${pytest_args[@]}" \
            --junitxml="$out/tests_moe.junit.xml"
