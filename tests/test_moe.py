@@ -549,6 +549,51 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i, fuse):
 
 
 @needs_mosaic
+def test_every_id_local_plans_for_every_slot_live():
+  """every_id_local (a router over these experts on one device, `fp8_moe_from_logits`): at Qwen3-30B-A3B's 4096
+  tokens x top-8 the tokens' quantizer and the permute run apart (fused, a row of x per slot would read 40 MiB more)
+  and the combine is XLA's (nothing left for the Mosaic one to skip); at 64 tokens the fused step stays (2 MiB
+  more); without the promise, or with the fused step asked for, the plan is as before."""
+  from jaxfp8.moe import planner as moe_planner
+  h, i, e = 2048, 768, 128
+  w13, w2 = jax.ShapeDtypeStruct((e, 2 * i, h), F8), jax.ShapeDtypeStruct((e, h, i), F8)
+  x = lambda t: jax.ShapeDtypeStruct((t, h), jnp.bfloat16)
+  with _platform.abstract_h200():
+    base = moe.explain(x(4096), w13, w2, 8)
+    local = moe.explain(x(4096), w13, w2, 8, every_id_local=True)
+    asked = moe.explain(x(4096), w13, w2, 8, every_id_local=True, permute_in_quantize=True)
+    decode = moe.explain(x(64), w13, w2, 8, every_id_local=True)
+  assert base.permute_in_quantize and base.combine.implementation == "mosaic" and not base.every_id_local, str(base)
+  assert not local.permute_in_quantize and local.quant_x.problem.gather_divisor == 0, str(local)
+  assert "40 MiB more" in local.permute_reason and local.every_id_local, str(local)
+  assert local.combine.implementation == "xla" and "every slot is live" in str(local.combine), str(local)
+  assert asked.permute_in_quantize and decode.permute_in_quantize, (str(asked), str(decode))
+  assert moe_planner.FUSED_PERMUTE_EXTRA_BYTES_MAX < 40 << 20
+  with pytest.raises(TypeError, match="every_id_local must be a bool"):
+    moe.explain(x(64), w13, w2, 8, every_id_local="yes")
+
+
+@needs_mosaic
+def test_every_id_local_changes_the_plan_not_the_result(rng, monkeypatch):
+  """The promise only moves work: the layer with the tokens' quantizer and the permute apart (every_id_local, the
+  size rule lowered to 0 bytes) gives the fused layer's output bit for bit (the Mosaic kernels interpreted; an id
+  outside [0, E) still adds nothing: the promise is not checked)."""
+  from jaxfp8.moe import planner as moe_planner
+  monkeypatch.setattr(moe_planner, "FUSED_PERMUTE_EXTRA_BYTES_MAX", 0)
+  experts = tuple(map(jnp.asarray, _experts(rng, e=6, h=256, i=128)))
+  x = jnp.asarray(rng.standard_normal((20, 256)), jnp.bfloat16)
+  ids, weights = _routing(rng, 20, 6, 4, empty=[2])  # some ids outside [0, E), though promised local
+  outs = []
+  for local in (False, True):
+    options = dict(implementation="mosaic", interpret=True, every_id_local=local)
+    plan = moe.explain(x, experts[0], experts[2], 4, **options)
+    assert plan.permute_in_quantize != local, str(plan)
+    outs.append(np.asarray(moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *experts, **options), np.float32))
+  np.testing.assert_array_equal(outs[1], outs[0])
+  assert ref.relative_error(outs[1], _expected(x, ids, weights, experts)) <= TOL
+
+
+@needs_mosaic
 @pytest.mark.parametrize("tokens,top_k,e,h,i", [(1, 8, 32, 7168, 2048), (64, 8, 128, 2048, 768),
                                                 (4096, 8, 128, 2048, 768)])
 def test_dispatch_builds_one_work_item_table_for_both_gemms(monkeypatch, tokens, top_k, e, h, i):

@@ -28,7 +28,7 @@ def fp8_moe(
     w2_q: jax.Array, w2_s: jax.Array, block_size: tuple[int, int] = (128, 128), *,
     implementation: str | None = None, quant_implementation: str | None = None, interpret: bool | None = None,
     combine_implementation: str | None = None, silu_quant_in_gate_up: bool | None = None,
-    permute_in_quantize: bool | None = None,
+    permute_in_quantize: bool | None = None, every_id_local: bool = False,
 ) -> jax.Array:
   """The routed experts of an MoE block on block-FP8 weights (docs/CONTRACT.md §8).
 
@@ -47,7 +47,10 @@ def fp8_moe(
       quantizer in gate_up's epilogue where the plan allows it (aligned expert rows on the Mosaic prefill schedule),
       so h never reaches memory; False: its own step. permute_in_quantize: None or True quantizes each live
       routed row straight from its token into expert order where the plan allows it (the Mosaic quantizer, one
-      device), so the tokens' codes never reach memory; False: quantize, then permute.
+      device), so the tokens' codes never reach memory; False: quantize, then permute. every_id_local: True
+      promises every id is in [0, E) (a router over these experts, as `fp8_moe_from_logits` and the NNX layer on
+      one device call it), so that every slot is a live row: the plan then keeps the quantizer and the permute
+      apart where the fused one would read much more, and takes XLA's combine. Speed only: the result is the same.
 
   Returns:
     (..., H) in x's dtype. `explain(...)` says which kernels run and why.
@@ -55,7 +58,7 @@ def fp8_moe(
   block_size, lead = validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size)
   p = _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret,
             combine_implementation=combine_implementation, silu_quant_in_gate_up=silu_quant_in_gate_up,
-            permute_in_quantize=permute_in_quantize)
+            permute_in_quantize=permute_in_quantize, every_id_local=every_id_local)
   t, h, k = math.prod(lead), x.shape[-1], topk_ids.shape[-1]
   if t == 0 or k == 0:  # no routed row: nothing to launch
     return jnp.zeros((*lead, h), x.dtype)
@@ -70,7 +73,8 @@ def fp8_moe_from_logits(
     **options,
 ) -> jax.Array:
   """`fp8_moe` on the experts `router` (a `routing.DeepSeekV3Router` or `routing.Qwen3MoeRouter`) picks from
-  router_logits (..., E) (with DeepSeek-V3's `correction_bias` (E,))."""
+  router_logits (..., E) (with DeepSeek-V3's `correction_bias` (E,)): every id is one of these experts
+  (`every_id_local`)."""
   if not isinstance(router, (routing.DeepSeekV3Router, routing.Qwen3MoeRouter)):
     raise TypeError(f"router must be a DeepSeekV3Router or Qwen3MoeRouter, got {type(router).__name__}")
   # x's and w13_q's checks as `validate` makes them, before their shapes are read here.
@@ -81,14 +85,14 @@ def fp8_moe_from_logits(
     raise ValueError(f"router_logits must have shape (..., E) = {(*x.shape[:-1], w13_q.shape[0])} for x of shape "
                      f"{tuple(x.shape)} and {w13_q.shape[0]} experts, got {tuple(router_logits.shape)}")
   ids, weights = router(router_logits, correction_bias)  # the router checks correction_bias
-  return fp8_moe(x, ids, weights, w13_q, w13_s, w2_q, w2_s, block_size, **options)
+  return fp8_moe(x, ids, weights, w13_q, w13_s, w2_q, w2_s, block_size, **{"every_id_local": True, **options})
 
 
 def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128), *,
             implementation: str | None = None, quant_implementation: str | None = None,
             interpret: bool | None = None, device: _platform.Device | None = None,
             combine_implementation: str | None = None, silu_quant_in_gate_up: bool | None = None,
-            permute_in_quantize: bool | None = None) -> planner.MoePlan:
+            permute_in_quantize: bool | None = None, every_id_local: bool = False) -> planner.MoePlan:
   """The plan `fp8_moe` runs for these shapes (arrays or `jax.ShapeDtypeStruct`s) and why (`print(plan)`), on
   `device` (default: the device programs are built for here). Raises what `fp8_moe` raises for these shapes: the
   same `validate`, on stand-ins for the arrays explain does not take (ids and weights (..., top_k), the scales)."""
@@ -101,7 +105,7 @@ def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128)
   block_size, _ = validate(x, ids, jax.ShapeDtypeStruct(ids.shape, F32), w13_q, scales[0], w2_q, scales[1],
                            block_size)
   return _plan(x, ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device,
-               combine_implementation, silu_quant_in_gate_up, permute_in_quantize)
+               combine_implementation, silu_quant_in_gate_up, permute_in_quantize, every_id_local)
 
 
 def _scale_shape(w, block_size) -> tuple[int, ...]:
@@ -114,9 +118,9 @@ def _scale_shape(w, block_size) -> tuple[int, ...]:
 
 
 def _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device=None,
-          combine_implementation=None, silu_quant_in_gate_up=None, permute_in_quantize=None):
+          combine_implementation=None, silu_quant_in_gate_up=None, permute_in_quantize=None, every_id_local=False):
   options = planner.MoeOptions(implementation, quant_implementation, interpret, combine_implementation,
-                               silu_quant_in_gate_up, permute_in_quantize)
+                               silu_quant_in_gate_up, permute_in_quantize, every_id_local)
   device = _checks.device(device)
   tokens = math.prod(x.shape[:-1])
   return planner.plan(tokens, topk_ids.shape[-1], w13_q.shape[0], x.shape[-1], w2_q.shape[2], block_size, x.dtype,

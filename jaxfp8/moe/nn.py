@@ -124,8 +124,9 @@ class Fp8MoE(nnx.Module):
     ids, weights = self.router(logits, bias)
     experts = (self.w13_q[...], self.w13_s[...], self.w2_q[...], self.w2_s[...])
     if self.mesh is None:
+      # the router picks among these same experts: every id is local
       out = api.fp8_moe(tokens, ids, weights, *experts, self.block_size, **self.options,
-                        combine_implementation=self.combine_implementation)
+                        combine_implementation=self.combine_implementation, every_id_local=True)
     else:
       out = parallel.expert_parallel_fp8_moe(tokens, ids, weights, *experts, self.block_size, mesh=self.mesh,
                                              axis_name=self.axis_name, **self.options)

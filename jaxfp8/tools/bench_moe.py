@@ -144,9 +144,8 @@ def run_steps(steps: Sequence[Step], values: dict, time_us: Callable) -> list[tu
 def _weights(key, e, n, k):
   """Random block-FP8 expert weights made on the device: codes across e4m3's range, scales near a trained layer's."""
   kq, ks = jax.random.split(key)
-  q = jnp.clip(jax.random.normal(kq, (e, n, k)) * 64, -448, 448).astype(F8)
-  s = jax.random.uniform(ks, (e, n // BLOCK[0], k // BLOCK[1]), minval=2e-5, maxval=2e-4)
-  return q, s
+  return (jnp.clip(jax.random.normal(kq, (e, n, k)) * 64, -448, 448).astype(F8),
+          jax.random.uniform(ks, (e, n // BLOCK[0], k // BLOCK[1]), minval=2e-5, maxval=2e-4))
 
 
 def _dequantized(q, s):
@@ -175,8 +174,7 @@ def _bf16_layer(dot, route):
   """Route, then the layer on bf16 weights (E, K, N): sort, gather, gate_up, SiLU-and-mul, down, combine."""
   def layer(x, gate_weight, bias, w13, w2):
     ids, weights = route(x, gate_weight, bias)
-    t, k = ids.shape
-    experts = w13.shape[0]
+    (t, k), experts = ids.shape, w13.shape[0]
     d = moe_layer.dispatch(ids, experts)
     order, sizes = d.order, d.group_sizes
     h = dot(x[(jnp.arange(t * k, dtype=jnp.int32) // k)[order]], w13, sizes)
@@ -269,8 +267,9 @@ def _counts(layer: Layer, t: int, ids: np.ndarray) -> dict:
 
 
 def _plan(layer: Layer, t: int, **options) -> moe_planner.MoePlan:
+  local = layer.total_experts == layer.experts  # the router's experts are the layer's: a model on one device
   return moe_planner.plan(t, layer.top_k, layer.experts, layer.hidden, layer.intermediate, BLOCK, jnp.bfloat16,
-                          moe_planner.MoeOptions(**options))
+                          moe_planner.MoeOptions(**{"every_id_local": local, **options}))
 
 
 def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, iterations: int = 30, seed: int = 0,
@@ -336,7 +335,8 @@ def run(name: str, tokens: Sequence[int], implementations: Sequence[str], *, ite
 def _time_layer(plan, route, values, check, time_us, counts, record, contender: str = "layer") -> None:
   """The layer in one jit as `fp8_moe` runs `plan` (whose fused_silu_quant it asks for)."""
   fuse = plan.fused_silu_quant  # False where the plan could not fuse anyway: the same plan
-  fn = jax.jit(lambda x, gw, b, *w: moe.fp8_moe(x, *route(x, gw, b), *w, silu_quant_in_gate_up=fuse))
+  options = dict(silu_quant_in_gate_up=fuse, every_id_local=plan.every_id_local)
+  fn = jax.jit(lambda x, gw, b, *w: moe.fp8_moe(x, *route(x, gw, b), *w, **options))
   args = tuple(values[name] for name in ("x", "gate_weight", "bias", "w13_q", "w13_s", "w2_q", "w2_s"))
   try:
     checked = _check(fn(*args), *check)
