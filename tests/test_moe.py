@@ -33,7 +33,7 @@ from jaxfp8.moe import topk
 from jaxfp8.moe.weights import MoeWeights, load_hf_moe, save_hf_moe
 from jaxfp8.weights import Fp8LinearWeight
 
-from helpers import MOSAIC_GEMM_IMPORTABLE, MOSAIC_QUANT_IMPORTABLE, ON_GPU, fake_device, kernel_calls, lowered_ops
+from helpers import MOSAIC_GEMM_IMPORTABLE, MOSAIC_QUANT_IMPORTABLE, fake_device, kernel_calls, lowered_ops
 
 F8 = jnp.float8_e4m3fn
 TOL = 1e-2  # docs/CONTRACT.md §8, bfloat16 x
@@ -383,19 +383,19 @@ def test_layer_other_dtypes_and_block_sizes(rng, dtype):
 @needs_mosaic
 @pytest.mark.parametrize("block_size", [(64, 64), (128, 64)])
 def test_layer_on_the_kernels_with_blocks_of_64(rng, block_size):
-  """The Mosaic kernels with blocks of 64 (interpreted where there is no GPU), named: the quantizer's groups of gk,
+  """The Mosaic kernels with blocks of 64 (interpreted where there is no Hopper GPU), named: the quantizer's groups of gk,
   the grouped GEMMs' scales per 64 columns or K, the SiLU-and-mul quantizer outside gate_up (its fused epilogue takes
-  128 only). On a GPU the kernels run natively: interpreted there (Pallas's GPU interpreter on XLA:GPU) the layer
+  128 only). On a Hopper GPU the kernels run natively: interpreted there (Pallas's GPU interpreter on XLA:GPU) the layer
   missed the reference by 1.3% on an H100, where the native kernels pass and the CPU interpreter passes on the same
   draws (WORKSPACE.md)."""
   experts = tuple(map(jnp.asarray, _experts(rng, e=4, h=256, i=128, block_size=block_size)))
   x = jnp.asarray(rng.standard_normal((23, 256)), jnp.bfloat16)
   ids, weights = _routing(rng, 23, 4, 2, empty=[1])
-  plan = moe.explain(x, experts[0], experts[2], 2, block_size, implementation="mosaic", interpret=not ON_GPU)
+  plan = moe.explain(x, experts[0], experts[2], 2, block_size, implementation="mosaic", interpret=not _platform.is_hopper())
   assert plan.gate_up.implementation == plan.down.implementation == "mosaic", str(plan)
   assert not plan.fused_silu_quant, str(plan)
   out = moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *experts, block_size, implementation="mosaic",
-                    interpret=not ON_GPU)
+                    interpret=not _platform.is_hopper())
   assert ref.relative_error(np.asarray(out, np.float32), _expected(x, ids, weights, experts, block_size)) <= TOL
 
 
@@ -552,7 +552,7 @@ def test_layer_lowers_for_cuda_at_expert_shapes(tokens, top_k, e, h, i, fuse):
 def test_every_id_local_plans_for_every_slot_live():
   """every_id_local (a router over these experts on one device, `fp8_moe_from_logits`): at Qwen3-30B-A3B's 4096
   tokens x top-8 the tokens' quantizer and the permute run apart (fused, a row of x per slot would read 40 MiB more)
-  and the combine is XLA's (nothing left for the Mosaic one to skip); at 64 tokens the fused step stays (2 MiB
+  and the combine is XLA's (nothing left for the Mosaic one to skip); at 64 tokens the fused step stays (0.6 MiB
   more); without the promise, or with the fused step asked for, the plan is as before."""
   from jaxfp8.moe import planner as moe_planner
   h, i, e = 2048, 768, 128

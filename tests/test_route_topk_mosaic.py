@@ -142,7 +142,8 @@ def test_the_plan_says_which_runs_and_why():
       else:
         assert chosen.implementation == "xla" and ("tokens <" in chosen.reason or "slower than XLA's" in chosen.reason)
   # off Hopper the merged band does not apply: XLA_DEFAULT's form at every token count
-  assert DEEPSEEK.explain(jax.ShapeDtypeStruct((64, 256), jnp.float32), device=fake_device(None)).implementation == "xla"
+  assert DEEPSEEK.explain(jax.ShapeDtypeStruct((64, 256), jnp.float32), device=fake_device((8, 9)),
+                          interpret=False).implementation == "xla"
   assert DEEPSEEK.explain(logits, device=fake_device(None)).implementation == "xla"
   assert DEEPSEEK.explain(logits, device=fake_device((8, 9)), interpret=False).implementation == "xla"
   too_many = jax.ShapeDtypeStruct((4, 512), jnp.float32)

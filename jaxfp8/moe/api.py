@@ -95,7 +95,8 @@ def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128)
             permute_in_quantize: bool | None = None, every_id_local: bool = False) -> planner.MoePlan:
   """The plan `fp8_moe` runs for these shapes (arrays or `jax.ShapeDtypeStruct`s) and why (`print(plan)`), on
   `device` (default: the device programs are built for here). Raises what `fp8_moe` raises for these shapes: the
-  same `validate`, on stand-ins for the arrays explain does not take (ids and weights (..., top_k), the scales)."""
+  same `validate`, on stand-ins for the arrays explain does not take (ids and weights (..., top_k), the scales).
+  `fp8_moe_from_logits` and the NNX layer on one device call it with every_id_local=True: pass it to see theirs."""
   if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
     raise ValueError(f"top_k must be a non-negative int (the slots per token, topk_ids.shape[-1]), got {top_k!r}")
   block_size = _checks.block_size(block_size)

@@ -3,8 +3,8 @@
 Two implementations of the one formula (docs/CONTRACT.md §8; `combine_slots`): "xla", a gather of every slot's
 row (a slot of no local expert gathers row 0, then selects it away) and the sum; "mosaic", the Mosaic GPU combine
 (pallas_kernels/combine_rows_mosaic.py), which reads only the valid slots' rows and writes each output row once.
-The planner runs the Mosaic one from MOSAIC_MIN_TOKENS tokens where it can run, else XLA's
-(`MoeOptions.combine_implementation` overrides).
+The planner runs the Mosaic one from MOSAIC_MIN_TOKENS tokens where it can run and some slots may be dead, else
+XLA's (every slot live, `MoeOptions.every_id_local`: XLA's; `MoeOptions.combine_implementation` overrides).
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ class MoePlan:
   # the permute does not run; why either way.
   permute_in_quantize: bool = False
   permute_reason: str = ""
-  every_id_local: bool = False  # MoeOptions.every_id_local, as planned
+  # MoeOptions.every_id_local, as planned; not compared: plans that run the same steps share one compile
+  every_id_local: bool = dataclasses.field(default=False, compare=False)
 
   @property
   def rows(self) -> int:
@@ -184,6 +185,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   permute_plan = permute.plan(implementation, hidden, device, interpret)
   # the rows of the GEMMs' buffer quantized straight from their tokens (rows past the live ones read by nothing)
   gathered = quant_problem(rows, hidden, False, False, gather_divisor=top_k)
+  # (the routed slots; with aligned expert rows the fused quantizer also fills the gaps: more still)
   extra = (hidden * (tokens * top_k * (x_dtype.itemsize - 1) - tokens * (x_dtype.itemsize + 1))
            if options.every_id_local and routed_rows is None else 0)
   quant_x, permute_in_quantize, permute_reason = _permute_in_quantize(quant_x, permute_plan, gathered, quant_plan,
