@@ -383,19 +383,20 @@ def test_layer_other_dtypes_and_block_sizes(rng, dtype):
 @needs_mosaic
 @pytest.mark.parametrize("block_size", [(64, 64), (128, 64)])
 def test_layer_on_the_kernels_with_blocks_of_64(rng, block_size):
-  """The Mosaic kernels with blocks of 64 (interpreted where there is no Hopper GPU), named: the quantizer's groups of gk,
-  the grouped GEMMs' scales per 64 columns or K, the SiLU-and-mul quantizer outside gate_up (its fused epilogue takes
-  128 only). On a Hopper GPU the kernels run natively: interpreted there (Pallas's GPU interpreter on XLA:GPU) the layer
-  missed the reference by 1.3% on an H100, where the native kernels pass and the CPU interpreter passes on the same
-  draws (WORKSPACE.md)."""
+  """The Mosaic kernels with blocks of 64 (interpreted where there is no Hopper GPU), named: the quantizer's groups
+  of gk, the grouped GEMMs' scales per 64 columns or K, the SiLU-and-mul quantizer outside gate_up (its fused
+  epilogue takes 128 only). On a Hopper GPU the kernels run natively: interpreted there (Pallas's GPU interpreter on
+  XLA:GPU) the layer missed the reference by 1.3% on an H100, where the native kernels pass and the CPU interpreter
+  passes on the same draws (WORKSPACE.md)."""
   experts = tuple(map(jnp.asarray, _experts(rng, e=4, h=256, i=128, block_size=block_size)))
   x = jnp.asarray(rng.standard_normal((23, 256)), jnp.bfloat16)
   ids, weights = _routing(rng, 23, 4, 2, empty=[1])
-  plan = moe.explain(x, experts[0], experts[2], 2, block_size, implementation="mosaic", interpret=not _platform.is_hopper())
+  interpret = not _platform.is_hopper()
+  plan = moe.explain(x, experts[0], experts[2], 2, block_size, implementation="mosaic", interpret=interpret)
   assert plan.gate_up.implementation == plan.down.implementation == "mosaic", str(plan)
   assert not plan.fused_silu_quant, str(plan)
   out = moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *experts, block_size, implementation="mosaic",
-                    interpret=not _platform.is_hopper())
+                    interpret=interpret)
   assert ref.relative_error(np.asarray(out, np.float32), _expected(x, ids, weights, experts, block_size)) <= TOL
 
 

@@ -44,10 +44,13 @@ def plan(asked: str | None, tokens: int, top_k: int, hidden: int, out_dtype, dev
   if not why and (problems := _kernel().problems(tokens, top_k, hidden, out_dtype=out_dtype, config=config)):
     why = "; ".join(problems)
   if asked is None:
-    if why or tokens < MOSAIC_MIN_TOKENS or every_slot_live:
-      because = why or (f"{tokens} tokens < {MOSAIC_MIN_TOKENS}: too few CTAs for the Mosaic combine"
-                        if tokens < MOSAIC_MIN_TOKENS else "every slot is live (every_id_local): the Mosaic "
-                        "combine's saving, reading only the valid slots' rows, is gone")
+    because = why
+    if not because and tokens < MOSAIC_MIN_TOKENS:
+      because = f"{tokens} tokens < {MOSAIC_MIN_TOKENS}: too few CTAs for the Mosaic combine"
+    elif not because and every_slot_live:
+      because = ("every slot is live (every_id_local): the Mosaic combine's saving, reading only the valid slots' "
+                 "rows, is gone")
+    if because:
       return CombinePlan("xla", None, interpret, f"XLA's gather of each token's k rows and their sum in slot order "
                          f"({because})")
     return CombinePlan("mosaic", config, interpret, f"the Mosaic GPU combine ({tokens} tokens >= "

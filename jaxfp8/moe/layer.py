@@ -67,8 +67,8 @@ def with_tables(d: Dispatch, plan) -> Dispatch:
   return d._replace(tables=_both_tables(plan, lambda gemm_plan: grouped.planner.prepare(d.group_sizes, gemm_plan)))
 
 
-def _from_rows(key: jax.Array, rank: jax.Array, within: jax.Array, group_sizes: jax.Array, live_counts: jax.Array,
-               plan) -> Dispatch:
+def _from_rows(key: jax.Array, rank: jax.Array, within: jax.Array, group_sizes: jax.Array, live: jax.Array,
+               live_counts: jax.Array | None, plan) -> Dispatch:
   """The pairwise dispatch's tables, from the slots' keys and their index inside their expert's rows
   (`grouped.planner.prepare_from_rows`: fewer kernels than from the group sizes), and its order: the slot at each
   row, taken in gate_up's table's first reduction where that builds from the rows (one kernel fewer at decode), else
@@ -77,18 +77,12 @@ def _from_rows(key: jax.Array, rank: jax.Array, within: jax.Array, group_sizes: 
                                                            with_order=True)
   tables = _both_tables(plan, lambda gemm_plan: grouped.planner.prepare_from_rows(key, rank, within, group_sizes,
                                                                                   gemm_plan), gate_up_table)
-  return Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, _live(live_counts), tables,
-                  live_counts)
-
-
-def _live(live_counts: jax.Array) -> jax.Array:
-  """The live count, () int32, from a vector holding it in each entry (0 when empty: no slot at all)."""
-  return live_counts[0] if live_counts.shape[0] else jnp.int32(0)
+  return Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, live, tables, live_counts)
 
 
 def _masked_m(d: Dispatch) -> jax.Array:
   """The quantizers' valid-row vector for d's rows: its first entry the live count."""
-  return d.live.reshape(1) if d.live_counts is None or not d.live_counts.shape[0] else d.live_counts
+  return d.live.reshape(1) if d.live_counts is None else d.live_counts
 
 
 def _both_tables(plan, prepare, gate_up_table=None) -> tuple:
@@ -120,7 +114,7 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
     # reduction over (R, R): one kernel, whatever the compiler's sibling fusion does
     rank, within, live_counts = _sums(((key[None, :] < key[:, None]) | same_earlier, same_earlier,
                                        jnp.broadcast_to(key[None, :] < experts, (n, n))))
-    live = _live(live_counts)
+    live, live_counts = (live_counts[0], live_counts) if n else (jnp.int32(0), None)
     order = None  # taken with the tables where the plan builds them from the rows (`_from_rows`)
     group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
   elif (experts + 1) * n <= COUNTING_MAX_ENTRIES:
@@ -143,7 +137,7 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   if plan is not None and plan.row_align > 1:
     return _aligned(key, rank, group_sizes, plan)
   if plan is not None and within is not None:
-    return _from_rows(key, rank, within, group_sizes, live_counts, plan)
+    return _from_rows(key, rank, within, group_sizes, live, live_counts, plan)
   d = Dispatch(_slot_at_rows(rank) if order is None else order, rank, group_sizes, live)
   return d if plan is None else with_tables(d, plan)
 

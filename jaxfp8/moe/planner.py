@@ -187,7 +187,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   gathered = quant_problem(rows, hidden, False, False, gather_divisor=top_k)
   # (the routed slots; with aligned expert rows the fused quantizer also fills the gaps: more still)
   extra = (hidden * (tokens * top_k * (x_dtype.itemsize - 1) - tokens * (x_dtype.itemsize + 1))
-           if options.every_id_local and routed_rows is None else 0)
+           if options.every_id_local else 0)
   quant_x, permute_in_quantize, permute_reason = _permute_in_quantize(quant_x, permute_plan, gathered, quant_plan,
                                                                       routed_rows is None,
                                                                       options.permute_in_quantize, extra)
