@@ -504,7 +504,10 @@ def ragged_items_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array
   hi = jnp.minimum(next_start, live)
   num_items = ragged_num_items(r, num_groups, tile_m)
   fields = jnp.stack([jnp.zeros_like(rows), groups, rows // tile_m, rows, hi]).astype(jnp.int32)
-  at = jnp.where(starts, index, num_items)  # rows that start no item: dropped
+  # rows that start no item: dropped. `starts` written a second way (within < 1, not == 0), so that XLA's CSE keeps
+  # one copy inside each reduction: shared, it was a kernel of its own from 8 tokens of top-8 (offline count,
+  # scripts/xla_gpu_kernels.py layer:qwen3_30b_a3b:8: 9 launches, 10 shared)
+  at = jnp.where(owned & ((within < 1) | (rows % tile_m == 0)), index, num_items)
   if num_items * r <= GATHERED_TABLE_MAX:
     # each item is started by one row at most: one fused reduction picks it (a zero-filled table and a scatter into
     # it would be two kernels)
