@@ -39,6 +39,12 @@
 #   grouped-blocks  block sizes of 64 on the Mosaic GEMMs: their GPU tests (dense and grouped), the grouped bench at
 #                 --block_size=64,64 and 128,64, and a sweep of the grouped decode schedules in 64- and 32-column tiles
 #                 beside the planner's at R = 8 and 64 (--gemm_configs). Not yet run
+#   grouped-medium  the ragged grouped GEMM at R = 8, 64, 512 against five schedule variants (--gemm_configs): the data
+#                 for the decode and medium-rows schedules and for gate_up's fused epilogue at decode. Not yet run
+#   blocks-64-dispatch  block sizes of 64: the Mosaic GEMMs against the Triton dense GEMM and XLA's grouped one (what
+#                 the default dispatch runs them on). Not yet run
+#   moe-live-grid  scripts/ab_moe_live_grid.py: the MoE layer at 1, 8, 64 tokens, ragged decode GEMMs on the live
+#                 grid or not. Not yet run
 #   grouped-masked  the masked layout at decode (R = 8, 64, 256, issue 36's expert shapes): zeroed rows past each
 #                 expert's count, unwritten ones (masked_mosaic_live), and ragged. Not yet run
 #   moe           tests/test_moe.py, tests/test_moe_hardening.py and the routers' tests on the GPU (the layer on the
@@ -187,6 +193,31 @@ for phase in "${phases[@]}"; do
           --expert_shapes="dsv3_ep8.gate_up;qwen3_30b_a3b.down" --routed_rows=8,4096 --implementations=mosaic \
           --time_budget_s=80 --out="$out/grouped_block_${bs/,/x}_h200.json"
       done ;;
+    grouped-medium)
+      # the ragged grouped GEMM at 1, 8 and 64 tokens of top-8 (R = 8, 64, 512) against schedule variants: the
+      # decode tile on a persistent grid over the live items, 64x256 on two consumers (the tile the fused SiLU-and-mul
+      # epilogue needs) off and on the persistent grid, a deeper pipeline and one K block per step
+      d="tile_m=64,tile_n=128,num_compute_wgs=1,weight_scales_ahead=True"
+      w="tile_m=64,tile_n=256,num_compute_wgs=2,wg_split=N"
+      run bench_grouped_medium python3 -m jaxfp8 bench --ops=grouped --routed_rows=8,64,512 --seed=0 \
+        --expert_shapes="qwen3_30b_a3b.down;qwen3_30b_a3b.gate_up;dsv3_ep8.down;qwen3_235b_a22b_ep8.gate_up;dsv3_ep8.gate_up" \
+        --implementations=mosaic --time_budget_s=200 --out="$out/grouped_medium_sweep_h200.json" \
+        --gemm_configs="mosaic:$d,max_concurrent_steps=4,k_blocks_per_step=2,persistent=True,live_grid=True;mosaic:$w,max_concurrent_steps=4,k_blocks_per_step=2,persistent=False,weight_scales_ahead=True;mosaic:$d,max_concurrent_steps=6,k_blocks_per_step=1,persistent=False;mosaic:$d,max_concurrent_steps=8,k_blocks_per_step=2,persistent=False;mosaic:$w,max_concurrent_steps=4,k_blocks_per_step=1,persistent=True,live_grid=True" ;;
+    blocks-64-dispatch)
+      # block sizes of 64 on the Mosaic GEMMs against what the default dispatch runs them on today (the Triton dense
+      # GEMM, XLA's grouped GEMM): the data gemm.mosaic.DEFAULT_BLOCK_SIZES waits for
+      for bs in 64,64 128,64; do
+        run "bench_gemm_block_${bs/,/x}" python3 -m jaxfp8 bench --ops=gemm --block_size=$bs --seed=0 \
+          --implementations=mosaic,triton --shapes="1,7168,2048;64,24576,7168;256,7168,18432;1024,7168,18432;4096,24576,7168" \
+          --time_budget_s=90 --out="$out/gemm_block_${bs/,/x}_h200.json"
+        run "bench_grouped_block_${bs/,/x}" python3 -m jaxfp8 bench --ops=grouped --block_size=$bs --seed=0 \
+          --implementations=mosaic,xla --expert_shapes="dsv3_ep8.down;qwen3_30b_a3b.gate_up" --routed_rows=8,512,4096 \
+          --time_budget_s=80 --out="$out/grouped_block_${bs/,/x}_h200.json"
+      done ;;
+    moe-live-grid)
+      # the MoE layer at 1, 8 and 64 tokens with the ragged decode GEMMs on a persistent grid over the live items
+      # (jaxfp8.grouped.mosaic.DECODE_LIVE_GRID["ragged"]) against a CTA per item, off / on / off in one process
+      run moe_live_grid python3 scripts/ab_moe_live_grid.py "$out/moe_live_grid_h200.json" ;;
     grouped-masked)
       # issue 36's masked layout at decode: with the rows past each expert's count zeroed (the planner's), without
       # them (masked_mosaic_live: those rows unwritten), and ragged, at the bench's T (each expert's capacity rounded
