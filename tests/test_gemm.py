@@ -267,7 +267,7 @@ def test_out_rows_is_validated(out_rows):
     ("triton", 70, 70, True, True, (128, 128)),
     ("mosaic", 150, 160, True, True, (128, 128)),   # padding rows past out_rows, a bias (added to the live rows only)
     ("mosaic", 130, 130, False, False, (128, 128)),
-    ("mosaic", 130, 130, True, True, (64, 64)),     # the kernel's blocks of 64 (named: not yet the default)
+    ("mosaic", 130, 130, True, True, (64, 64)),     # the kernel's blocks of 64
 ])
 def test_valid_rows_zeroes_the_rows_past_it_with_one_compile(rng, implementation, m, rows, column_major, bias,
                                                              block_size):
@@ -422,7 +422,8 @@ def test_default_implementation_on_cpu_is_xla():
     ((9, 0), 20, 200, 256, (128, 128), "triton"),    # N tail on 2 tiles: Triton measured faster there
     ((9, 0), 4096, 200, 256, (128, 128), "mosaic"),  # N tail on 64 tiles
     ((9, 0), 20, 196, 256, (128, 128), "triton"),    # N % 8 != 0: no Mosaic kernel
-    ((9, 0), 20, 256, 256, (64, 64), "triton"),
+    ((9, 0), 20, 256, 256, (64, 64), "mosaic"),
+    ((9, 0), 20, 256, 256, (64, 128), "triton"),      # blocks not yet timed against Triton: not by default
     ((8, 9), 8, 256, 256, (128, 128), "triton"),
     ((9, 0), 8, 256, 256, (128, 16), "xla"),         # gk = 16: no Triton dot is narrow enough
     ((8, 0), 8, 256, 256, (128, 128), "xla"),        # no FP8 conversions

@@ -727,7 +727,8 @@ def test_plans_say_why():
     with _platform.abstract_h200():
       prefill = grouped.plan_for(a, b, (128, 128))
       decode = grouped.plan_for(jax.ShapeDtypeStruct((32, 64, 7168), F8), b, (128, 128))
-      odd = grouped.plan_for(a, b, (128, 64))
+      blocks_of_64 = grouped.plan_for(a, b, (128, 64))
+      odd = grouped.plan_for(a, b, (64, 128))
       tail = grouped.plan_for(a, jax.ShapeDtypeStruct((32, 576, 7168), F8), (128, 128))
     assert tail.implementation == "mosaic", str(tail)  # a partial last column tile
     assert prefill.implementation == "mosaic" and prefill.config.persistent and "prefill" in str(prefill)
@@ -738,8 +739,9 @@ def test_plans_say_why():
     ragged = grouped.plan(grouped.problem("ragged", 128, 8, 1536, 2048, (128, 128)), implementation="mosaic")
     assert not ragged.config.persistent and not ragged.config.live_grid and "decode" in str(ragged), str(ragged)
     assert not prefill.config.live_grid
-    # block sizes of 64 run on the kernel when named, not yet by default
-    assert odd.implementation == "xla" and "not yet measured on an H200" in str(odd), str(odd)
+    # blocks of 64 timed against XLA's grouped GEMM run on the kernel by default; (64, 128) only when named
+    assert blocks_of_64.implementation == "mosaic", str(blocks_of_64)
+    assert odd.implementation == "xla" and "not yet timed" in str(odd), str(odd)
 
 
 @pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="needs jax.experimental.pallas.mosaic_gpu")

@@ -319,7 +319,8 @@ def _weight_shape(n, k):
     ((9, 0), 20, 200, 256, (128, 128), "triton", 1, "partial column tile"),  # few tiles: Triton measured faster
     ((9, 0), 4096, 200, 256, (128, 128), "mosaic", 1, "Hopper"),  # 64 tiles: Mosaic
     ((9, 0), 20, 196, 256, (128, 128), "triton", 1, "cannot take this problem"),
-    ((9, 0), 20, 256, 256, (64, 64), "triton", 1, "not yet measured on an H200"),
+    ((9, 0), 20, 256, 256, (64, 64), "mosaic", 64, "Hopper"),
+    ((9, 0), 20, 256, 256, (64, 128), "triton", 1, "not yet timed"),
     ((8, 9), 5, 256, 256, (128, 128), "triton", 1, "sm_89"),
     ((8, 0), 5, 256, 256, (128, 128), "xla", 1, "no FP8 conversions"),
     ((9, 0), 5, 256, 256, (128, 16), "xla", 1, "no Triton config can serve"),
