@@ -40,11 +40,12 @@
 #                 --block_size=64,64 and 128,64, and a sweep of the grouped decode schedules in 64- and 32-column tiles
 #                 beside the planner's at R = 8 and 64 (--gemm_configs). Not yet run
 #   grouped-medium  the ragged grouped GEMM at R = 8, 64, 512 against five schedule variants (--gemm_configs): the data
-#                 for the decode and medium-rows schedules and for gate_up's fused epilogue at decode. Not yet run
+#                 for the decode and medium-rows schedules and for gate_up's fused epilogue at decode (about 200 s on
+#                 an H100)
 #   blocks-64-dispatch  block sizes of 64: the Mosaic GEMMs against the Triton dense GEMM and XLA's grouped one (what
-#                 the default dispatch runs them on). Not yet run
+#                 the default dispatch ran them on; about 150 s on an H100)
 #   moe-live-grid  scripts/ab_moe_live_grid.py: the MoE layer at 1, 8, 64 tokens, ragged decode GEMMs on the live
-#                 grid or not. Not yet run
+#                 grid or not (about 250 s on an H100)
 #   grouped-masked  the masked layout at decode (R = 8, 64, 256, issue 36's expert shapes): zeroed rows past each
 #                 expert's count, unwritten ones (masked_mosaic_live), and ragged. Not yet run
 #   moe           tests/test_moe.py, tests/test_moe_hardening.py and the routers' tests on the GPU (the layer on the
@@ -196,13 +197,14 @@ for phase in "${phases[@]}"; do
     grouped-medium)
       # the ragged grouped GEMM at 1, 8 and 64 tokens of top-8 (R = 8, 64, 512) against schedule variants: the
       # decode tile on a persistent grid over the live items, 64x256 on two consumers (the tile the fused SiLU-and-mul
-      # epilogue needs) off and on the persistent grid, a deeper pipeline and one K block per step
+      # epilogue needs) off and on the persistent grid, 6 or 8 stages of one K block (explicit configs are not fitted to
+      # shared memory: two K blocks a step in 8 stages, or on 64x256 tiles, overflow it)
       d="tile_m=64,tile_n=128,num_compute_wgs=1,weight_scales_ahead=True"
       w="tile_m=64,tile_n=256,num_compute_wgs=2,wg_split=N"
       run bench_grouped_medium python3 -m jaxfp8 bench --ops=grouped --routed_rows=8,64,512 --seed=0 \
         --expert_shapes="qwen3_30b_a3b.down;qwen3_30b_a3b.gate_up;dsv3_ep8.down;qwen3_235b_a22b_ep8.gate_up;dsv3_ep8.gate_up" \
         --implementations=mosaic --time_budget_s=200 --out="$out/grouped_medium_sweep_h200.json" \
-        --gemm_configs="mosaic:$d,max_concurrent_steps=4,k_blocks_per_step=2,persistent=True,live_grid=True;mosaic:$w,max_concurrent_steps=4,k_blocks_per_step=2,persistent=False,weight_scales_ahead=True;mosaic:$d,max_concurrent_steps=6,k_blocks_per_step=1,persistent=False;mosaic:$d,max_concurrent_steps=8,k_blocks_per_step=2,persistent=False;mosaic:$w,max_concurrent_steps=4,k_blocks_per_step=1,persistent=True,live_grid=True" ;;
+        --gemm_configs="mosaic:$d,max_concurrent_steps=4,k_blocks_per_step=2,persistent=True,live_grid=True;mosaic:$w,max_concurrent_steps=4,k_blocks_per_step=1,persistent=False,weight_scales_ahead=True;mosaic:$d,max_concurrent_steps=6,k_blocks_per_step=1,persistent=False;mosaic:$d,max_concurrent_steps=8,k_blocks_per_step=1,persistent=False;mosaic:$w,max_concurrent_steps=4,k_blocks_per_step=1,persistent=True,live_grid=True" ;;
     blocks-64-dispatch)
       # block sizes of 64 on the Mosaic GEMMs against what the default dispatch runs them on today (the Triton dense
       # GEMM, XLA's grouped GEMM): the data gemm.mosaic.DEFAULT_BLOCK_SIZES waits for
