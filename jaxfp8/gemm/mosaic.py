@@ -25,8 +25,8 @@ BLOCK = 128       # DeepSeek-V3's and Qwen3's scale block, the one the schedules
 # The block sizes the default dispatch sends to this kernel (and to the grouped one); the others run when named
 # (implementation="mosaic") until they are timed against the kernels the dispatch gives them. Blocks of 64 on an H100
 # (benchmarks/README.md, block sizes of 64), (64, 64) / (128, 64), us, Mosaic against Triton: M=1 N=7168 K=2048
-# 9.66 / 9.52 and 9.65 / 9.57, M=64 N=24576 K=7168 72.0 / 78.0 and 71.2 / 77.8, M=256..4096 1.6-2.2x faster; grouped
-# against XLA's, 40-500x faster.
+# 9.66 / 9.52 and 9.65 / 9.57, M=64 N=24576 K=7168 72.0 / 78.0 and 71.2 / 77.8, M=256..4096 1.5-2.1x faster; grouped
+# against XLA's, 50-510x faster.
 DEFAULT_BLOCK_SIZES = ((BLOCK, BLOCK), (64, 64), (BLOCK, 64))
 WGMMA_M = 64      # rows of one wgmma: the decode row tile
 # Below one decode tile of rows, the linear's quantizer pads the activations to the whole tile, which the GEMM reads
