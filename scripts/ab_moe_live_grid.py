@@ -15,17 +15,20 @@ TOKENS = (1, 8, 64)
 
 def main(out: str | None = None, tokens=TOKENS) -> None:
   rows = []
-  for live_grid in (False, True, False):
-    mosaic.DECODE_LIVE_GRID["ragged"] = live_grid
-    for name in bench_moe.GPU_LAYERS:
-      for r in bench_moe.run(name, tokens, ["layer"], log=lambda *a: None):
-        if r.get("contender") != "layer":
-          continue
-        row = dict(layer=name, tokens=r["tokens"], live_grid=live_grid, us=r.get("us"), error=r.get("error"),
-                   rel_err=r.get("rel_err"), within_bound=r.get("within_bound"))
-        rows.append(row)
-        print(row, flush=True)
-  mosaic.DECODE_LIVE_GRID["ragged"] = False
+  shipped = mosaic.DECODE_LIVE_GRID["ragged"]
+  try:
+    for live_grid in (False, True, False):
+      mosaic.DECODE_LIVE_GRID["ragged"] = live_grid
+      for name in bench_moe.GPU_LAYERS:
+        for r in bench_moe.run(name, tokens, ["layer"], log=lambda *a: None):
+          if r.get("contender") != "layer":
+            continue
+          row = dict(layer=name, tokens=r["tokens"], live_grid=live_grid, us=r.get("us"), error=r.get("error"),
+                     rel_err=r.get("rel_err"), within_bound=r.get("within_bound"))
+          rows.append(row)
+          print(row, flush=True)
+  finally:
+    mosaic.DECODE_LIVE_GRID["ragged"] = shipped
   print("layer, tokens: a CTA per item (first run / last run) against the live grid, us")
   for name in bench_moe.GPU_LAYERS:
     for t in tokens:

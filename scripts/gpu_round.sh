@@ -38,7 +38,7 @@
 #                 of the bench aborted in ptxas (WORKSPACE.md)
 #   grouped-blocks  block sizes of 64 on the Mosaic GEMMs: their GPU tests (dense and grouped), the grouped bench at
 #                 --block_size=64,64 and 128,64, and a sweep of the grouped decode schedules in 64- and 32-column tiles
-#                 beside the planner's at R = 8 and 64 (--gemm_configs). Not yet run
+#                 beside the planner's at R = 8 and 64 (--gemm_configs); run on an H100
 #   grouped-medium  the ragged grouped GEMM at R = 8, 64, 512 against five schedule variants (--gemm_configs): the data
 #                 for the decode and medium-rows schedules and for gate_up's fused epilogue at decode (about 200 s on
 #                 an H100)
@@ -47,7 +47,7 @@
 #   moe-live-grid  scripts/ab_moe_live_grid.py: the MoE layer at 1, 8, 64 tokens, ragged decode GEMMs on the live
 #                 grid or not (about 250 s on an H100)
 #   grouped-masked  the masked layout at decode (R = 8, 64, 256, issue 36's expert shapes): zeroed rows past each
-#                 expert's count, unwritten ones (masked_mosaic_live), and ragged. Not yet run
+#                 expert's count, unwritten ones (masked_mosaic_live), and ragged; its bench run on an H100
 #   moe           tests/test_moe.py, tests/test_moe_hardening.py and the routers' tests on the GPU (the layer on the
 #                 real kernels against the reference; eager and jit bit-identical; about 330 s with 8 workers on an
 #                 H100, past one call with the bench: MOE_SKIP_TESTS=1 leaves them out), then
@@ -207,7 +207,7 @@ for phase in "${phases[@]}"; do
         --gemm_configs="mosaic:$d,max_concurrent_steps=4,k_blocks_per_step=2,persistent=True,live_grid=True;mosaic:$w,max_concurrent_steps=4,k_blocks_per_step=1,persistent=False,weight_scales_ahead=True;mosaic:$d,max_concurrent_steps=6,k_blocks_per_step=1,persistent=False;mosaic:$d,max_concurrent_steps=8,k_blocks_per_step=1,persistent=False;mosaic:$w,max_concurrent_steps=4,k_blocks_per_step=1,persistent=True,live_grid=True" ;;
     blocks-64-dispatch)
       # block sizes of 64 on the Mosaic GEMMs against what the default dispatch runs them on today (the Triton dense
-      # GEMM, XLA's grouped GEMM): the data gemm.mosaic.DEFAULT_BLOCK_SIZES waits for
+      # GEMM, XLA's grouped GEMM): the data behind gemm.mosaic.DEFAULT_BLOCK_SIZES
       for bs in 64,64 128,64; do
         run "bench_gemm_block_${bs/,/x}" python3 -m jaxfp8 bench --ops=gemm --block_size=$bs --seed=0 \
           --implementations=mosaic,triton --shapes="1,7168,2048;64,24576,7168;256,7168,18432;1024,7168,18432;4096,24576,7168" \

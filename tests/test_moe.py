@@ -40,6 +40,10 @@ TOL = 1e-2  # docs/CONTRACT.md §8, bfloat16 x
 # A decision whose margin (in the float64 reference) is below this may go either way in float32.
 NEAR_TIE = 1e-5
 needs_mosaic = pytest.mark.skipif(not MOSAIC_GEMM_IMPORTABLE, reason="the Mosaic GPU kernel does not import here")
+# Where the layer's Mosaic kernels run natively: on a Hopper GPU, not Pallas's GPU interpreter on XLA:GPU, which on an
+# H100 missed the reference by 1.3% where the native kernels and the CPU interpreter on the same draws pass
+# (WORKSPACE.md); interpreted everywhere else.
+INTERPRET_OFF_HOPPER = not _platform.is_hopper()
 
 
 def _stacked(rng, e, n, k, block_size=(128, 128)):
@@ -383,20 +387,17 @@ def test_layer_other_dtypes_and_block_sizes(rng, dtype):
 @needs_mosaic
 @pytest.mark.parametrize("block_size", [(64, 64), (128, 64)])
 def test_layer_on_the_kernels_with_blocks_of_64(rng, block_size):
-  """The Mosaic kernels with blocks of 64 (interpreted where there is no Hopper GPU), named: the quantizer's groups
-  of gk, the grouped GEMMs' scales per 64 columns or K, the SiLU-and-mul quantizer outside gate_up (its fused
-  epilogue takes 128 only). On a Hopper GPU the kernels run natively: interpreted there (Pallas's GPU interpreter on
-  XLA:GPU) the layer missed the reference by 1.3% on an H100, where the native kernels pass and the CPU interpreter
-  passes on the same draws (WORKSPACE.md)."""
+  """The Mosaic kernels with blocks of 64 (natively on Hopper, else interpreted: INTERPRET_OFF_HOPPER), named: the
+  quantizer's groups of gk, the grouped GEMMs' scales per 64 columns or K, the SiLU-and-mul quantizer outside gate_up
+  (its fused epilogue takes 128 only)."""
   experts = tuple(map(jnp.asarray, _experts(rng, e=4, h=256, i=128, block_size=block_size)))
   x = jnp.asarray(rng.standard_normal((23, 256)), jnp.bfloat16)
   ids, weights = _routing(rng, 23, 4, 2, empty=[1])
-  interpret = not _platform.is_hopper()
-  plan = moe.explain(x, experts[0], experts[2], 2, block_size, implementation="mosaic", interpret=interpret)
+  plan = moe.explain(x, experts[0], experts[2], 2, block_size, implementation="mosaic", interpret=INTERPRET_OFF_HOPPER)
   assert plan.gate_up.implementation == plan.down.implementation == "mosaic", str(plan)
   assert not plan.fused_silu_quant, str(plan)
   out = moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *experts, block_size, implementation="mosaic",
-                    interpret=interpret)
+                    interpret=INTERPRET_OFF_HOPPER)
   assert ref.relative_error(np.asarray(out, np.float32), _expected(x, ids, weights, experts, block_size)) <= TOL
 
 
@@ -577,10 +578,9 @@ def test_every_id_local_plans_for_every_slot_live():
 @needs_mosaic
 def test_every_id_local_changes_the_plan_not_the_result(rng, monkeypatch):
   """The promise only moves work: the layer with the tokens' quantizer and the permute apart (every_id_local, the
-  size rule lowered to 0 bytes) gives the fused layer's output bit for bit (the Mosaic kernels interpreted where
-  there is no Hopper GPU, natively on one: Pallas's GPU interpreter on XLA:GPU failed this test on an H100, as it
-  missed the reference in the blocks-of-64 test above; an id outside [0, E) still adds nothing: the promise is not
-  checked)."""
+  size rule lowered to 0 bytes) gives the fused layer's output bit for bit (the Mosaic kernels natively on Hopper,
+  else interpreted: INTERPRET_OFF_HOPPER; interpreted on an H100's XLA:GPU this test failed; an id outside [0, E)
+  still adds nothing: the promise is not checked)."""
   from jaxfp8.moe import planner as moe_planner
   monkeypatch.setattr(moe_planner, "FUSED_PERMUTE_EXTRA_BYTES_MAX", 0)
   experts = tuple(map(jnp.asarray, _experts(rng, e=6, h=256, i=128)))
@@ -588,7 +588,7 @@ def test_every_id_local_changes_the_plan_not_the_result(rng, monkeypatch):
   ids, weights = _routing(rng, 20, 6, 4, empty=[2])  # some ids outside [0, E), though promised local
   outs = []
   for local in (False, True):
-    options = dict(implementation="mosaic", interpret=not _platform.is_hopper(), every_id_local=local)
+    options = dict(implementation="mosaic", interpret=INTERPRET_OFF_HOPPER, every_id_local=local)
     plan = moe.explain(x, experts[0], experts[2], 4, **options)
     assert plan.permute_in_quantize != local, str(plan)
     outs.append(np.asarray(moe.fp8_moe(x, jnp.asarray(ids), jnp.asarray(weights), *experts, **options), np.float32))
