@@ -68,7 +68,8 @@ def register_split_kept() -> bool:
   library loads (it always does beside the CUDA 13 plugin: cuSPARSE needs it), as relocatable code, where ptxas ignores
   `setmaxnreg` (C7504): every warpgroup keeps the launch's share, 168 registers a thread with two consumers and 128
   with three, and consumers holding more spill. Seen on the H200: jaxlib's Mosaic GPU hard-wires that choice to
-  "auto", so XLA's --xla_gpu_libnvjitlink_mode does not reach it.
+  "auto", so XLA's --xla_gpu_libnvjitlink_mode does not reach it; 0.12.1's plugin has no libnvptxcompiler to take
+  instead (benchmarks/README.md, JAX 0.12).
   """
   major, minor = (int(part) for part in jax.__version__.split(".")[:2])
   return (major, minor) < (0, 12)

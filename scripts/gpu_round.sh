@@ -44,8 +44,10 @@
 #                 an H100)
 #   blocks-64-dispatch  block sizes of 64: the Mosaic GEMMs against the Triton dense GEMM and XLA's grouped one (what
 #                 the default dispatch ran them on; about 150 s on an H100)
-#   moe-live-grid  scripts/ab_moe_live_grid.py: the MoE layer at 1, 8, 64 tokens, ragged decode GEMMs on the live
+#   moe-live-grid  scripts/ab_moe_plan.py live_grid: the MoE layer at 1, 8, 64 tokens, ragged decode GEMMs on the live
 #                 grid or not (about 250 s on an H100)
+#   moe-fused-permute  scripts/ab_moe_plan.py fused_permute: Qwen3-30B-A3B's layer at 1024, 2048, 4096 tokens with the
+#                 permute in the quantizer at any extra read against the planner's 16 MiB edge
 #   grouped-masked  the masked layout at decode (R = 8, 64, 256, issue 36's expert shapes): zeroed rows past each
 #                 expert's count, unwritten ones (masked_mosaic_live), and ragged; its bench run on an H100
 #   moe           tests/test_moe.py, tests/test_moe_hardening.py and the routers' tests on the GPU (the layer on the
@@ -219,7 +221,11 @@ for phase in "${phases[@]}"; do
     moe-live-grid)
       # the MoE layer at 1, 8 and 64 tokens with the ragged decode GEMMs on a persistent grid over the live items
       # (jaxfp8.grouped.mosaic.DECODE_LIVE_GRID["ragged"]) against a CTA per item, off / on / off in one process
-      run moe_live_grid python3 scripts/ab_moe_live_grid.py "$out/moe_live_grid_h200.json" ;;
+      run moe_live_grid python3 scripts/ab_moe_plan.py live_grid "$out/moe_live_grid_h200.json" ;;
+    moe-fused-permute)
+      # the planner's edge for the permute inside the quantizer (jaxfp8.moe.planner.FUSED_PERMUTE_EXTRA_BYTES_MAX):
+      # fused at any extra read against the edge, off / on / off in one process
+      run moe_fused_permute python3 scripts/ab_moe_plan.py fused_permute "$out/moe_fused_permute_h200.json" ;;
     grouped-masked)
       # issue 36's masked layout at decode: with the rows past each expert's count zeroed (the planner's), without
       # them (masked_mosaic_live: those rows unwritten), and ragged, at the bench's T (each expert's capacity rounded
