@@ -9,13 +9,15 @@ output checked against the float64 reference first). Knobs:
   fused_permute  the permute inside the tokens' quantizer at any extra read (`jaxfp8.moe.planner.
                  FUSED_PERMUTE_EXTRA_BYTES_MAX` unbounded) against the planner's edge (16 MiB), Qwen3-30B-A3B (every
                  id local) at 1024, 2048, 4096 tokens: the points the edge splits.
+  mosaic_dispatch  the decode dispatch as one Mosaic kernel (`jaxfp8.moe.sort.MOSAIC_BY_DEFAULT`) against XLA's
+                 three reductions, both GPU layers at 1, 2, 8 tokens.
 
 `python3 scripts/ab_moe_plan.py KNOB [OUT.json] [T,T,...]`"""
 import json
 import sys
 
 from jaxfp8.grouped import mosaic
-from jaxfp8.moe import planner
+from jaxfp8.moe import planner, sort
 from jaxfp8.tools import bench_moe
 
 
@@ -27,11 +29,17 @@ def _fused_permute(on: bool, shipped=planner.FUSED_PERMUTE_EXTRA_BYTES_MAX) -> N
   planner.FUSED_PERMUTE_EXTRA_BYTES_MAX = 1 << 62 if on else shipped
 
 
+def _mosaic_dispatch(on: bool) -> None:
+  sort.MOSAIC_BY_DEFAULT = on
+
+
 # knob: (set(on), the shipped value's restore, layers, default tokens)
 KNOBS = {
     "live_grid": (_live_grid, lambda shipped=mosaic.DECODE_LIVE_GRID["ragged"]: _live_grid(shipped),
                   bench_moe.GPU_LAYERS, (1, 8, 64)),
     "fused_permute": (_fused_permute, lambda: _fused_permute(False), ("qwen3_30b_a3b",), (1024, 2048, 4096)),
+    "mosaic_dispatch": (_mosaic_dispatch, lambda shipped=sort.MOSAIC_BY_DEFAULT: _mosaic_dispatch(shipped),
+                        bench_moe.GPU_LAYERS, (1, 2, 8)),
 }
 
 

@@ -6,7 +6,7 @@
     expert_parallel_fp8_moe(...)                                               experts split over a mesh axis
 
 Layout: `api` (validation, the public functions), `planner` (every step's plan), `layer` (the forward as named
-steps on the live rows), `permute` (the permute's backends), `routing` (the two families' routers), `parallel`
+steps on the live rows), `permute` (the permute's backends), `sort` (the decode dispatch's backends), `routing` (the two families' routers), `parallel`
 (expert parallelism through `jax.shard_map` and all-to-all).
 """
 

@@ -29,6 +29,7 @@ def fp8_moe(
     implementation: str | None = None, quant_implementation: str | None = None, interpret: bool | None = None,
     combine_implementation: str | None = None, silu_quant_in_gate_up: bool | None = None,
     permute_in_quantize: bool | None = None, every_id_local: bool = False,
+    dispatch_implementation: str | None = None,
 ) -> jax.Array:
   """The routed experts of an MoE block on block-FP8 weights (docs/CONTRACT.md §8).
 
@@ -51,6 +52,8 @@ def fp8_moe(
       promises every id is in [0, E) (a router over these experts, as `fp8_moe_from_logits` and the NNX layer on
       one device call it), so that every slot is a live row: the plan then keeps the quantizer and the permute
       apart where the fused one would read much more, and takes XLA's combine. Speed only: the result is the same.
+      dispatch_implementation: the decode dispatch's ("mosaic": one Mosaic GPU kernel for up to 64 routed slots,
+      "xla", or None: the planner's); the same rows, order and tables either way.
 
   Returns:
     (..., H) in x's dtype. `explain(...)` says which kernels run and why.
@@ -58,7 +61,8 @@ def fp8_moe(
   block_size, lead = validate(x, topk_ids, topk_weights, w13_q, w13_s, w2_q, w2_s, block_size)
   p = _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret,
             combine_implementation=combine_implementation, silu_quant_in_gate_up=silu_quant_in_gate_up,
-            permute_in_quantize=permute_in_quantize, every_id_local=every_id_local)
+            permute_in_quantize=permute_in_quantize, every_id_local=every_id_local,
+            dispatch_implementation=dispatch_implementation)
   t, h, k = math.prod(lead), x.shape[-1], topk_ids.shape[-1]
   if t == 0 or k == 0:  # no routed row: nothing to launch
     return jnp.zeros((*lead, h), x.dtype)
@@ -92,7 +96,8 @@ def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128)
             implementation: str | None = None, quant_implementation: str | None = None,
             interpret: bool | None = None, device: _platform.Device | None = None,
             combine_implementation: str | None = None, silu_quant_in_gate_up: bool | None = None,
-            permute_in_quantize: bool | None = None, every_id_local: bool = False) -> planner.MoePlan:
+            permute_in_quantize: bool | None = None, every_id_local: bool = False,
+            dispatch_implementation: str | None = None) -> planner.MoePlan:
   """The plan `fp8_moe` runs for these shapes (arrays or `jax.ShapeDtypeStruct`s) and why (`print(plan)`), on
   `device` (default: the device programs are built for here). Raises what `fp8_moe` raises for these shapes: the
   same `validate`, on stand-ins for the arrays explain does not take (ids and weights (..., top_k), the scales).
@@ -106,7 +111,8 @@ def explain(x, w13_q, w2_q, top_k: int, block_size: tuple[int, int] = (128, 128)
   block_size, _ = validate(x, ids, jax.ShapeDtypeStruct(ids.shape, F32), w13_q, scales[0], w2_q, scales[1],
                            block_size)
   return _plan(x, ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device,
-               combine_implementation, silu_quant_in_gate_up, permute_in_quantize, every_id_local)
+               combine_implementation, silu_quant_in_gate_up, permute_in_quantize, every_id_local,
+               dispatch_implementation)
 
 
 def _scale_shape(w, block_size) -> tuple[int, ...]:
@@ -119,9 +125,10 @@ def _scale_shape(w, block_size) -> tuple[int, ...]:
 
 
 def _plan(x, topk_ids, w13_q, w2_q, block_size, implementation, quant_implementation, interpret, device=None,
-          combine_implementation=None, silu_quant_in_gate_up=None, permute_in_quantize=None, every_id_local=False):
+          combine_implementation=None, silu_quant_in_gate_up=None, permute_in_quantize=None, every_id_local=False,
+          dispatch_implementation=None):
   options = planner.MoeOptions(implementation, quant_implementation, interpret, combine_implementation,
-                               silu_quant_in_gate_up, permute_in_quantize, every_id_local)
+                               silu_quant_in_gate_up, permute_in_quantize, every_id_local, dispatch_implementation)
   device = _checks.device(device)
   tokens = math.prod(x.shape[:-1])
   return planner.plan(tokens, topk_ids.shape[-1], w13_q.shape[0], x.shape[-1], w2_q.shape[2], block_size, x.dtype,

@@ -35,7 +35,7 @@ from jax import lax
 from jaxfp8 import grouped, quant
 from jaxfp8.moe import combine as combine_rows
 from jaxfp8.moe import permute as permute_rows
-from jaxfp8.moe import topk
+from jaxfp8.moe import sort, topk
 
 STEPS = ("dispatch", "quantize", "permute", "gate_up", "silu_quant", "down", "combine")
 GEMM_STEPS = ("gate_up", "gate_up_silu_quant", "down")
@@ -103,10 +103,16 @@ def dispatch(slot_ids: jax.Array, experts: int, plan=None) -> Dispatch:
   XLA's GPU cumsum is a scan kernel, a few times faster than the stable argsort it replaced at 4096 tokens), and past
   COUNTING_MAX_ENTRIES of those a stable argsort. The order is then one scatter of the rows (pairwise, a fused
   reduction). With the layer's plan, also the GEMMs' routing tables (`with_tables`; pairwise `_from_rows`, whose
-  table's first reduction also takes the order)."""
+  table's first reduction also takes the order), or where the plan's dispatch is the Mosaic kernel's, all of it in
+  that kernel."""
   ids = slot_ids.reshape(-1).astype(jnp.int32)
   n = ids.shape[0]
   key = jnp.where((ids >= 0) & (ids < experts), ids, experts)
+  if plan is not None and plan.sort is not None and plan.sort.implementation == "mosaic":
+    # the same counts in one kernel (jaxfp8/moe/sort.py); the group sizes, read by no step at decode, are XLA's
+    rank, order, live_counts, table = sort.run(ids, experts, plan.sort)
+    group_sizes = jnp.sum(key[:, None] == jnp.arange(experts, dtype=jnp.int32), axis=0, dtype=jnp.int32)
+    return Dispatch(order, rank, group_sizes, live_counts[0], (table, table), live_counts)
   if n * n <= topk.PAIRWISE_MAX_COMPARES:
     earlier = lax.broadcasted_iota(jnp.int32, (n, n), 1) < lax.broadcasted_iota(jnp.int32, (n, n), 0)
     same_earlier = (key[None, :] == key[:, None]) & earlier

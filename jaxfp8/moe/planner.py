@@ -13,7 +13,7 @@ import functools
 import jax.numpy as jnp
 
 from jaxfp8 import _checks, _platform, grouped, quant
-from jaxfp8.moe import combine, permute
+from jaxfp8.moe import combine, permute, sort
 
 LIVE_ROWS_REASON = ("the slots of no local expert sort past the live rows, which the GEMMs neither compute nor store "
                     "and the SiLU-and-mul quantizer neither reads nor (past the last live block) writes; the "
@@ -55,6 +55,7 @@ class MoeOptions:
   # True: the caller promises every routed id is one of these experts (a router over them on one device), so every
   # slot is a live row; the plan may then size its steps for that. Speed only: an id outside [0, E) still adds nothing.
   every_id_local: bool = False
+  dispatch_implementation: str | None = None  # the decode dispatch's (jaxfp8/moe/sort.py); None: the planner's
 
   def __post_init__(self):
     for name in ("silu_quant_in_gate_up", "permute_in_quantize"):
@@ -64,6 +65,7 @@ class MoeOptions:
     _checks.one_of("implementation", self.implementation, grouped.IMPLEMENTATIONS)
     _checks.one_of("quant_implementation", self.quant_implementation, quant.IMPLEMENTATIONS)
     _checks.one_of("combine_implementation", self.combine_implementation, combine.IMPLEMENTATIONS)
+    _checks.one_of("dispatch_implementation", self.dispatch_implementation, sort.IMPLEMENTATIONS)
     object.__setattr__(self, "interpret", _checks.interpret(self.interpret))
 
 
@@ -97,6 +99,8 @@ class MoePlan:
   permute_reason: str = ""
   # MoeOptions.every_id_local, as planned; not compared: plans that run the same steps share one compile
   every_id_local: bool = dataclasses.field(default=False, compare=False)
+  # the dispatch's implementation (None: XLA's, the plan made without a device's choice)
+  sort: sort.SortPlan | None = None
 
   @property
   def rows(self) -> int:
@@ -115,6 +119,7 @@ class MoePlan:
         f"H={self.hidden}, I={self.intermediate}, block_size={self.block_size}, x {self.x_dtype}",
         f"  layout: {self.layout_reason}",
         f"  rows: {LIVE_ROWS_REASON}",
+        f"  dispatch: {self.sort}",
         f"  expert rows: {self.row_align_reason}",
         f"  tokens quantized: {self.quant_x}",
         f"  permute: {self.permute_reason or self.permute}",
@@ -195,13 +200,26 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, 
   quant_h = quant_plan(quant_problem(rows, 2 * intermediate, True, False))
   fused, silu_quant_reason = _silu_quant_in_gate_up(gate_up, row_align, x_dtype, quant_h,
                                                     options.silu_quant_in_gate_up)
+  sort_plan = sort.plan(options.dispatch_implementation, rows, experts, _table_tile(gate_up, down, row_align,
+                                                                                    routed_rows is None),
+                        device, interpret)
   return MoePlan(tokens, top_k, experts, hidden, intermediate, tuple(block_size), x_dtype.name,
                  quant_x, gate_up, quant_h, down, permute_plan,
                  combine.plan(options.combine_implementation, tokens, top_k, hidden, x_dtype, device, interpret,
                               every_slot_live=options.every_id_local),
                  row_align=row_align, row_align_reason=row_align_reason, fused_silu_quant=fused,
                  silu_quant_reason=silu_quant_reason, permute_in_quantize=permute_in_quantize,
-                 permute_reason=permute_reason, every_id_local=options.every_id_local)
+                 permute_reason=permute_reason, every_id_local=options.every_id_local, sort=sort_plan)
+
+
+def _table_tile(gate_up: grouped.GroupedPlan, down: grouped.GroupedPlan, row_align: int, single_device: bool):
+  """The row tile of the one work-item table both grouped GEMMs read, built from the sorted rows (what the Mosaic
+  dispatch writes): the Mosaic GEMMs on packed rows of one device sharing one table; else None."""
+  if not single_device or row_align != 1 or gate_up.implementation != "mosaic" or down.implementation != "mosaic":
+    return None
+  if gate_up.problem.empty or grouped.planner.prepared_key(gate_up) != grouped.planner.prepared_key(down):
+    return None
+  return gate_up.config.tile_m
 
 
 def _permute_in_quantize(quant_x: quant.QuantPlan, permute_plan: permute.PermutePlan, gathered: quant.QuantProblem,
