@@ -4,8 +4,8 @@ slots in expert order and the grouped GEMMs' work-item table, in one kernel of o
 XLA runs the same counting sort (jaxfp8/moe/layer.py `dispatch`, `ragged_items_from_rows`) as three dependent
 reductions over (R, R), each a kernel of its own (about a microsecond each at decode). Here each level is a masked
 row sum over a (64, 64) register tile: the slots along the rows, every slot along the columns. A level's result is
-a row vector (one value per slot); the next level reads it along the columns, so it goes through shared memory (a
-row vector stored there reloads in the column layout; a buffer is never loaded in both layouts). The levels:
+a row vector (one value per slot); the next level reads it along the columns, so it goes through shared memory
+(`vector_tiles`). The levels:
 
   1. each slot's key (its expert, or E for an id outside [0, E)), then its row in expert order (the slots of a
      lower key, and of its key at a lower slot), its index among its expert's slots, and the live count (the slots
@@ -27,11 +27,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-MAX_SLOTS = 64  # the rows of one warpgroup's register tile
+from .vector_tiles import TILE, count, load_columns, load_rows, row_vector, tile_iota
+
+MAX_SLOTS = TILE  # the rows of one warpgroup's register tile
 ITEM_FIELDS = 5  # batch, group, row block, lo, hi (the grouped GEMM kernel's table)
 
 
@@ -56,31 +57,6 @@ def problems(slots: int, experts: int, config: DispatchConfig, num_items: int) -
   return found
 
 
-def _rows(ref) -> jax.Array:
-  """A (64,) shared-memory vector as a row vector: entry i in the row of slot i."""
-  return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-
-
-def _columns(ref) -> jax.Array:
-  """A (64,) shared-memory vector along the columns: entry j in column j of every row of a (64, 64) tile (broadcast
-  before any other op: Mosaic's layout inference finds no layout for a (1, 64) one combined with a constant)."""
-  vector = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-  return lax.broadcast_in_dim(vector, (MAX_SLOTS, MAX_SLOTS), (1,))
-
-
-def _row_vector(value: int) -> jax.Array:
-  """A constant row vector with the row layout (a constant has none: it could not be stored)."""
-  return plgpu.layout_cast(jnp.full((MAX_SLOTS,), value, jnp.int32), plgpu.Layout.WGMMA.reduce(1))
-
-
-def _iota(dimension: int) -> jax.Array:
-  return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (MAX_SLOTS, MAX_SLOTS), dimension), plgpu.Layout.WGMMA)
-
-
-def _count(mask: jax.Array) -> jax.Array:
-  return jnp.sum(jnp.where(mask, 1, 0), axis=1)
-
-
 def decode_dispatch(ids: jax.Array, *, experts: int, num_items: int, config: DispatchConfig, interpret: bool = False):
   """(rows (R,), order (R,), live (R,), table (ITEM_FIELDS, num_items)) of the routed ids (R,) int32: rows[s] the
   expert-order row of slot s, order[p] the slot at row p, live the slots of some expert (in every entry), the table
@@ -90,41 +66,41 @@ def decode_dispatch(ids: jax.Array, *, experts: int, num_items: int, config: Dis
 
   def body(ids_gmem, rows_gmem, order_gmem, live_gmem, table_gmem,
            ids_smem, key_smem, rows_smem, start_smem, at_smem, fields_smem, out_smem, table_smem, barrier):
-    row = _iota(0)
-    col = _iota(1)
+    row = tile_iota(0)
+    col = tile_iota(1)
     # The slots past R: an id no expert has (they sort last, after the real slots of no expert).
-    ids_smem[...] = _row_vector(experts)
+    ids_smem[...] = row_vector(experts)
     plgpu.commit_smem()
     plgpu.copy_gmem_to_smem(ids_gmem, ids_smem.at[pl.ds(0, r)], barrier)
     plgpu.barrier_wait(barrier)
-    ids_row = _rows(ids_smem)
+    ids_row = load_rows(ids_smem)
     key = jnp.where((ids_row >= 0) & (ids_row < experts), ids_row, experts)
     key_smem[...] = key
-    key_col = _columns(key_smem)
+    key_col = load_columns(key_smem)
     # 1. rows in expert order, index among the expert's slots, live count
     same_earlier = (key_col == key[:, None]) & (col < row)
-    rows = _count((key_col < key[:, None]) | same_earlier)
-    within = _count(same_earlier)
-    live = _count(key_col < experts)  # the same in every row
+    rows = count((key_col < key[:, None]) | same_earlier)
+    within = count(same_earlier)
+    live = count(key_col < experts)  # the same in every row
     owned = key < experts
     start = jnp.where(owned & ((within == 0) | (rows % tile_m == 0)), 1, 0)
     rows_smem[...] = rows
     start_smem[...] = start
-    rows_col = _columns(rows_smem)
-    starts_col = _columns(start_smem) > 0
+    rows_col = load_columns(rows_smem)
+    starts_col = load_columns(start_smem) > 0
     # 2. the item each starting slot begins, the next start after each slot, the slot at each row
-    index = _count(starts_col & (rows_col < rows[:, None]))
+    index = count(starts_col & (rows_col < rows[:, None]))
     next_start = jnp.min(jnp.where(starts_col & (rows_col > rows[:, None]), rows_col, r), axis=1)
     order = jnp.sum(jnp.where(rows_col == row, col, 0), axis=1)
     at = jnp.where(start > 0, index, num_items)
     at_smem[...] = at
-    fields = (_row_vector(0), key, rows // tile_m, rows, jnp.minimum(next_start, live))
+    fields = (row_vector(0), key, rows // tile_m, rows, jnp.minimum(next_start, live))
     for f, value in enumerate(fields):
       fields_smem.at[f][...] = value
     # 3. the table: item i's fields from the slot that starts it
-    hit = _columns(at_smem) == row
+    hit = load_columns(at_smem) == row
     for f in range(ITEM_FIELDS):
-      table_smem.at[f][...] = jnp.sum(jnp.where(hit, _columns(fields_smem.at[f]), 0), axis=1)
+      table_smem.at[f][...] = jnp.sum(jnp.where(hit, load_columns(fields_smem.at[f]), 0), axis=1)
     for i, value in enumerate((rows, order, live)):
       out_smem.at[i][...] = value
     plgpu.commit_smem()

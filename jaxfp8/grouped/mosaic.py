@@ -21,7 +21,12 @@ from jaxfp8 import _checks, _platform
 from jaxfp8.gemm import mosaic as dense
 
 KERNEL_MODULE = "pallas_kernels.grouped_gemm_mosaic"
+TABLE_KERNEL_MODULE = "pallas_kernels.ragged_items_mosaic"
 CONFIG_CLASS = "MosaicGemmConfig"
+# Whether a ragged call of up to the table kernel's MAX_ROWS rows, given group sizes, builds its work-item table in
+# one Mosaic kernel (pallas_kernels/ragged_items_mosaic.py) instead of XLA's three or four prologue kernels: off until
+# timed on a Hopper GPU (`scripts/ab_grouped_table.py`).
+TABLE_KERNEL_BY_DEFAULT = False
 BLOCK = dense.BLOCK
 WGMMA_M = dense.WGMMA_M
 
@@ -163,6 +168,8 @@ def not_default(problem) -> str | None:
 def default_config_for(problem, device: _platform.Device):
   config, why = default_config(problem, device.num_sms)
   kind = "prefill" if config.persistent and not config.live_grid else "decode"
+  if table_kernel_config(problem, config):
+    why += f"; its work-item table from the group sizes in one Mosaic kernel (M <= {WGMMA_M} rows)"
   return dense.with_block_size(config, problem.block_size), f"the {kind} schedule on {device.num_sms} SMs: {why}"
 
 
@@ -186,9 +193,28 @@ def items_key(problem, config):
   return ("mosaic", problem.layout, problem.groups, problem.rows, problem.zero_unowned_rows, config.tile_m)
 
 
-def prepare(counts, problem, config):
+def table_kernel_config(problem, config):
+  """The table kernel's config where it builds this call's table (`TABLE_KERNEL_BY_DEFAULT`, a ragged call it
+  takes), else None."""
+  if not TABLE_KERNEL_BY_DEFAULT or problem.layout != "ragged":
+    return None
+  T = importlib.import_module(TABLE_KERNEL_MODULE)
+  table_config = T.RaggedItemsConfig(config.tile_m, problem.zero_unowned_rows)
+  return None if T.problems(problem.rows, problem.groups, table_config, _table_columns(problem, config)) else (
+      table_config)
+
+
+def _table_columns(problem, config) -> int:
+  """The table kernel's width: the ragged table's items rounded up to whole 16-byte rows (the extra ones empty)."""
+  return -(-_kernel().ragged_num_items(problem.rows, problem.groups, config.tile_m) // 4) * 4
+
+
+def prepare(counts, problem, config, interpret: bool = False):
   """The work-item table of `counts` (the launch's prologue, `items_key`)."""
   K = _kernel()
+  if table_config := table_kernel_config(problem, config):
+    return importlib.import_module(TABLE_KERNEL_MODULE).ragged_items(
+        counts, m=problem.rows, num_items=_table_columns(problem, config), config=table_config, interpret=interpret)
   if problem.layout == "ragged":
     return K.ragged_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
   return K.masked_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
@@ -216,6 +242,8 @@ def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device:
   K = _kernel()
   f = K.ragged_block_fp8_matmul if problem.layout == "ragged" else K.masked_block_fp8_matmul
   items = counts if prepared else None
+  if not prepared and table_kernel_config(problem, config):
+    items = prepare(counts, problem, config, interpret)
   return f(a_q, b_q, _column_major(a_s, problem.rows, problem.a_s_column_major), b_s, None if prepared else counts,
            out_dtype=problem.out_dtype, config=dense.with_block_size(config, problem.block_size),
            num_sms=device.num_sms, zero_unowned_rows=problem.zero_unowned_rows, items=items, interpret=interpret)

@@ -119,7 +119,7 @@ def prepare(counts: jax.Array, plan: GroupedPlan) -> jax.Array:
   kernel's work items; XLA's counts as they are). A caller running several GEMMs on one routing builds it once for
   each distinct `prepared_key` (the MoE layer: one for both projections)."""
   p = plan.problem
-  return counts if p.empty else BACKENDS[plan.implementation].prepare(counts, p, plan.config)
+  return counts if p.empty else BACKENDS[plan.implementation].prepare(counts, p, plan.config, plan.interpret)
 
 
 def prepare_from_rows(groups: jax.Array, rows: jax.Array, within: jax.Array, group_sizes: jax.Array,

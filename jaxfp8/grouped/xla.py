@@ -132,8 +132,8 @@ def items_key(problem, config):
   return ("xla", problem.layout, problem.groups, problem.rows)
 
 
-def prepare(counts, problem, config):
-  del problem, config
+def prepare(counts, problem, config, interpret: bool = False):
+  del problem, config, interpret
   return counts
 
 
