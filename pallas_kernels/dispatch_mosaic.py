@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from .grouped_gemm_mosaic import ITEM_FIELDS
 from .vector_tiles import TILE, count, load_columns, load_rows, row_vector, tile_iota
 
 MAX_SLOTS = TILE  # the rows of one warpgroup's register tile
-ITEM_FIELDS = 5  # batch, group, row block, lo, hi (the grouped GEMM kernel's table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,4 +126,4 @@ def decode_dispatch(ids: jax.Array, *, experts: int, num_items: int, config: Dis
   return f(ids.astype(jnp.int32))
 
 
-__all__ = ["DispatchConfig", "ITEM_FIELDS", "MAX_SLOTS", "decode_dispatch", "problems"]
+__all__ = ["DispatchConfig", "MAX_SLOTS", "decode_dispatch", "problems"]

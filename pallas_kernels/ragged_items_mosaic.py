@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from .grouped_gemm_mosaic import ITEM_FIELDS, ZERO_GROUP
 from .vector_tiles import TILE, load_columns, load_rows, row_vector, tile_iota
 
 MAX_ROWS = 64  # M: the items then fit in one tile
 MAX_SEGMENTS = 512  # the groups and the zero segment
-ITEM_FIELDS = 5  # batch, group, row block, lo, hi (the grouped GEMM kernel's table)
-ZERO_GROUP = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +73,7 @@ def ragged_items(group_sizes: jax.Array, *, m: int, num_items: int, config: Ragg
   tile_m = config.tile_m
   tiles = pl.cdiv(e + int(config.zero_unowned_rows), TILE)
 
-  def body(sizes_gmem, table_gmem, sizes_smem, size_cols, count_cols, seg_smem, table_smem, barrier):
+  def body(sizes_gmem, table_gmem, sizes_smem, size_cols, count_cols, first_cols, seg_smem, table_smem, barrier):
     for c in range(tiles):
       sizes_smem.at[c][...] = row_vector(0)  # the segments past E: empty
     plgpu.commit_smem()
@@ -90,32 +89,29 @@ def ragged_items(group_sizes: jax.Array, *, m: int, num_items: int, config: Ragg
       size_cols.at[c][...] = sizes[c]
     # 1. each group's rows [lo, hi) (clipped at M), the zero segment [the groups' end, M), the item counts
     inclusive = _prefix_sums(size_cols, tiles, True)
-    lo, hi, counts = [], [], []
     for c in range(tiles):
       start, end = jnp.minimum(inclusive[c] - sizes[c], m), jnp.minimum(inclusive[c], m)
       zero = segment[c] == e
       seg_lo = jnp.where(zero, end, start)
       seg_hi = jnp.where(zero, m if config.zero_unowned_rows else end, jnp.where(segment[c] < e, end, start))
-      n = jnp.where(seg_hi > seg_lo, (jnp.maximum(seg_hi, 1) - 1) // tile_m - seg_lo // tile_m + 1, 0)
-      lo.append(seg_lo)
-      hi.append(seg_hi)
-      counts.append(n)
-      count_cols.at[c][...] = n
+      count_cols.at[c][...] = jnp.where(
+          seg_hi > seg_lo, (jnp.maximum(seg_hi, 1) - 1) // tile_m - seg_lo // tile_m + 1, 0)
+      group = jnp.where(zero, ZERO_GROUP, segment[c])
+      for f, value in enumerate((seg_lo, seg_hi, group)):
+        seg_smem.at[f, c][...] = value
     # 2. each segment's first item
     first = _prefix_sums(count_cols, tiles, False)
-    group = [jnp.where(segment[c] == e, ZERO_GROUP, segment[c]) for c in range(tiles)]
     for c in range(tiles):
-      for f, value in enumerate((first[c], counts[c], lo[c], hi[c], group[c])):
-        seg_smem.at[f, c][...] = value
+      first_cols.at[c][...] = first[c]
     # 3. the table: item i's fields from its segment (one hit per item, none for an item past the last)
     item = tile_iota(0)
     fields = None
     for c in range(tiles):
-      seg_first, seg_count = load_columns(seg_smem.at[0, c]), load_columns(seg_smem.at[1, c])
-      seg_lo, seg_hi = load_columns(seg_smem.at[2, c]), load_columns(seg_smem.at[3, c])
+      seg_first, seg_count = load_columns(first_cols.at[c]), load_columns(count_cols.at[c])
+      seg_lo, seg_hi = load_columns(seg_smem.at[0, c]), load_columns(seg_smem.at[1, c])
       hit = (seg_first <= item) & (item < seg_first + seg_count)
       block = seg_lo // tile_m + item - seg_first
-      parts = (load_columns(seg_smem.at[4, c]), block, jnp.maximum(seg_lo, block * tile_m),
+      parts = (load_columns(seg_smem.at[2, c]), block, jnp.maximum(seg_lo, block * tile_m),
                jnp.minimum(seg_hi, (block + 1) * tile_m))
       sums = [jnp.sum(jnp.where(hit, value, 0), axis=1) for value in parts]
       fields = sums if fields is None else [a + b for a, b in zip(fields, sums)]
@@ -134,11 +130,13 @@ def ragged_items(group_sizes: jax.Array, *, m: int, num_items: int, config: Ragg
       out_type=jax.ShapeDtypeStruct((ITEM_FIELDS, num_items), jnp.int32),
       grid=(1,),
       grid_names=("block",),
-      scratch_types=[per_tile, per_tile, per_tile, plgpu.SMEM((5, tiles, TILE), jnp.int32),
+      # sizes (loaded as rows), then along the columns: the clipped sizes, the item counts, the first items, and
+      # each segment's (lo, hi, group)
+      scratch_types=[per_tile, per_tile, per_tile, per_tile, plgpu.SMEM((3, tiles, TILE), jnp.int32),
                      plgpu.SMEM((ITEM_FIELDS, TILE), jnp.int32), plgpu.Barrier(num_barriers=tiles)],
       interpret=interpret_params,
   )
   return f(group_sizes.astype(jnp.int32))
 
 
-__all__ = ["ITEM_FIELDS", "MAX_ROWS", "MAX_SEGMENTS", "RaggedItemsConfig", "problems", "ragged_items"]
+__all__ = ["MAX_ROWS", "MAX_SEGMENTS", "RaggedItemsConfig", "problems", "ragged_items"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxfp8 import _platform, moe
+from jaxfp8.grouped import mosaic as grouped_mosaic
 from jaxfp8.moe import layer, sort
 from jaxfp8.tools import bench_moe
 from helpers import backend_importable, fake_device, kernel_calls
@@ -38,7 +39,7 @@ def _check(ids: np.ndarray, e: int, tile_m: int, interpret: bool = True) -> None
   """The kernel's outputs against XLA's dispatch and the table from the rows; the padding items all zero."""
   dm, ggm = _kernels()
   r = ids.shape[0]
-  width = sort.table_columns(r, e, tile_m)
+  width = grouped_mosaic.table_columns(r, e, tile_m)
   rows, order, live, table = (np.asarray(a) for a in dm.decode_dispatch(
       jnp.asarray(ids), experts=e, num_items=width, config=dm.DispatchConfig(tile_m), interpret=interpret))
   d = layer.dispatch(jnp.asarray(ids), e)
@@ -58,7 +59,7 @@ def test_matches_xla_counting_sort_and_the_table_from_rows(rng, tile_m):
   done = 0
   while done < 5:
     r, e = int(rng.choice([4, 8, 12, 24, 64])), int(rng.choice([1, 3, 32, 128, 256]))
-    if sort.table_columns(r, e, tile_m) > 64:  # tile_m=4 at 64 slots: more items than one tile's rows
+    if grouped_mosaic.table_columns(r, e, tile_m) > 64:  # tile_m=4 at 64 slots: more items than one tile's rows
       continue
     _check(_ids(rng, r, e), e, tile_m)
     done += 1

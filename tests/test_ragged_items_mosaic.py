@@ -41,8 +41,7 @@ def _check(sizes, m, tile_m, zero_unowned_rows, interpret=True) -> bool:
   does not take the case."""
   rim, ggm = _kernels()
   config = rim.RaggedItemsConfig(tile_m, zero_unowned_rows)
-  num_items = ggm.ragged_num_items(m, len(sizes), tile_m)
-  width = -(-num_items // 4) * 4
+  width = grouped_mosaic.table_columns(m, len(sizes), tile_m)
   if rim.problems(m, len(sizes), config, width):
     return False
   sizes = jnp.asarray(np.asarray(sizes, np.int32))

@@ -202,21 +202,31 @@ def table_kernel_config(problem, config):
     return None
   T = importlib.import_module(TABLE_KERNEL_MODULE)
   table_config = T.RaggedItemsConfig(config.tile_m, problem.zero_unowned_rows)
-  return None if T.problems(problem.rows, problem.groups, table_config, _table_columns(problem, config)) else (
-      table_config)
+  width = table_columns(problem.rows, problem.groups, config.tile_m)
+  return None if T.problems(problem.rows, problem.groups, table_config, width) else table_config
 
 
-def _table_columns(problem, config) -> int:
-  """The table kernel's width: the ragged table's items rounded up to whole 16-byte rows (the extra ones empty)."""
-  return -(-_kernel().ragged_num_items(problem.rows, problem.groups, config.tile_m) // 4) * 4
+def table_columns(rows: int, groups: int, tile_m: int) -> int:
+  """The width of a ragged table a Mosaic kernel writes (the table kernel's, the MoE decode dispatch's): the items
+  rounded up to whole 16-byte rows (the extra ones empty, which the grouped GEMM skips)."""
+  return -(-_kernel().ragged_num_items(rows, groups, tile_m) // 4) * 4
+
+
+def _table_by_kernel(counts, problem, config, interpret: bool):
+  """The table kernel's table of `counts` where it builds this call's (`table_kernel_config`), else None."""
+  table_config = table_kernel_config(problem, config)
+  if table_config is None:
+    return None
+  return importlib.import_module(TABLE_KERNEL_MODULE).ragged_items(
+      counts, m=problem.rows, num_items=table_columns(problem.rows, problem.groups, config.tile_m),
+      config=table_config, interpret=interpret)
 
 
 def prepare(counts, problem, config, interpret: bool = False):
   """The work-item table of `counts` (the launch's prologue, `items_key`)."""
   K = _kernel()
-  if table_config := table_kernel_config(problem, config):
-    return importlib.import_module(TABLE_KERNEL_MODULE).ragged_items(
-        counts, m=problem.rows, num_items=_table_columns(problem, config), config=table_config, interpret=interpret)
+  if (table := _table_by_kernel(counts, problem, config, interpret)) is not None:
+    return table
   if problem.layout == "ragged":
     return K.ragged_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
   return K.masked_items(counts, problem.rows, config.tile_m, problem.zero_unowned_rows)
@@ -243,9 +253,7 @@ def launch(a_q, b_q, a_s, b_s, counts, problem, config, interpret: bool, device:
   """prepared: counts is `prepare`'s table for this problem and config, not the group sizes or masked_m."""
   K = _kernel()
   f = K.ragged_block_fp8_matmul if problem.layout == "ragged" else K.masked_block_fp8_matmul
-  items = counts if prepared else None
-  if not prepared and table_kernel_config(problem, config):
-    items = prepare(counts, problem, config, interpret)
+  items = counts if prepared else _table_by_kernel(counts, problem, config, interpret)
   return f(a_q, b_q, _column_major(a_s, problem.rows, problem.a_s_column_major), b_s, None if prepared else counts,
            out_dtype=problem.out_dtype, config=dense.with_block_size(config, problem.block_size),
            num_sms=device.num_sms, zero_unowned_rows=problem.zero_unowned_rows, items=items, interpret=interpret)

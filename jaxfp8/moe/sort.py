@@ -14,9 +14,9 @@ import importlib
 import jax
 
 from jaxfp8 import _planning, _platform
+from jaxfp8.grouped import mosaic as grouped_mosaic
 
 KERNEL_MODULE = "pallas_kernels.dispatch_mosaic"
-GROUPED_KERNEL_MODULE = "pallas_kernels.grouped_gemm_mosaic"  # whose table the kernel writes
 IMPLEMENTATIONS = ("mosaic", "xla")
 # Whether the planner takes the Mosaic dispatch by default where it runs. H100, the whole layer against XLA's three
 # kernels (`scripts/ab_moe_plan.py mosaic_dispatch`, off / on / off, us): DeepSeek-V3 EP8 at 1 / 8 tokens 21.18,
@@ -32,13 +32,6 @@ class SortPlan(_planning.StepPlan):
   STEP = "dispatch"
 
 
-def table_columns(slots: int, experts: int, tile_m: int) -> int:
-  """The Mosaic kernel's table width: the ragged table's items rounded up to whole 16-byte rows (the extra ones are
-  empty items, which the grouped GEMMs skip)."""
-  num_items = importlib.import_module(GROUPED_KERNEL_MODULE).ragged_num_items(slots, experts, tile_m)
-  return -(-num_items // 4) * 4
-
-
 def plan(asked: str | None, slots: int, experts: int, tile_m: int | None, device: _platform.Device,
          interpret: bool) -> SortPlan:
   """The Mosaic dispatch where it runs (MOSAIC_BY_DEFAULT), else XLA's; `asked` overrides (a
@@ -51,8 +44,9 @@ def plan(asked: str | None, slots: int, experts: int, tile_m: int | None, device
     why = ("the grouped GEMMs read no work-item table built from the sorted rows (the XLA GEMMs, aligned expert rows, "
            "or two tables)")
   config = None if why else _kernel().DispatchConfig(tile_m)
-  if not why and (problems := _kernel().problems(slots, experts, config, table_columns(slots, experts, tile_m))):
-    why = "; ".join(problems)
+  if not why:
+    width = grouped_mosaic.table_columns(slots, experts, tile_m)
+    why = "; ".join(_kernel().problems(slots, experts, config, width)) or None
   if asked is None:
     if why or not MOSAIC_BY_DEFAULT:
       because = why or "the Mosaic dispatch turned off by default (sort.MOSAIC_BY_DEFAULT)"
@@ -66,8 +60,8 @@ def plan(asked: str | None, slots: int, experts: int, tile_m: int | None, device
 
 
 def run(ids: jax.Array, experts: int, plan: SortPlan):
-  """(rows (R,), order (R,), live (R,), table (5, `table_columns`)) of the routed ids (R,) int32 (`plan`'s Mosaic
-  implementation)."""
-  return _kernel().decode_dispatch(ids, experts=experts, num_items=table_columns(ids.shape[0], experts,
-                                                                                 plan.config.tile_m),
-                                   config=plan.config, interpret=plan.interpret)
+  """(rows (R,), order (R,), live (R,), table (5, `grouped.mosaic.table_columns`)) of the routed ids (R,) int32
+  (`plan`'s Mosaic implementation)."""
+  width = grouped_mosaic.table_columns(ids.shape[0], experts, plan.config.tile_m)
+  return _kernel().decode_dispatch(ids, experts=experts, num_items=width, config=plan.config,
+                                   interpret=plan.interpret)
