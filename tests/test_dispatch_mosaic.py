@@ -67,7 +67,8 @@ def test_matches_xla_counting_sort_and_the_table_from_rows(rng, tile_m):
 
 def test_layer_on_it_is_the_layer_on_xla_bit_for_bit(rng):
   """Both tiny layers (the expert-parallel share's ids mostly outside its experts), interpreted."""
-  for name, tokens in (("tiny", (2, 16)), ("tiny_ep4", (4, 32))):
+  # tiny at 2 tokens (a few slots), the share at 32 (all 64 slots of the kernel's tile)
+  for name, tokens in (("tiny", (2,)), ("tiny_ep4", (32,))):
     lay = bench_moe.LAYERS[name]
     w = bench_moe._layer_values(lay, jax.random.key(0))
     for t in tokens:

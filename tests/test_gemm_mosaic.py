@@ -653,6 +653,12 @@ def test_default_config_follows_the_measurements():
     assert (config.tile_m, config.tile_n, config.num_compute_wgs, config.persistent) == (64, 128, 1, False), n
   _lower(128, 7168, 18432, pick(128, 7168, 18432))
   _lower(100, 24576, 7168, pick(100, 24576, 7168))
+  # H100 sweep at M=100: the decode schedule wherever its 64x128 CTAs fit one wave, 64-wide while under half a wave
+  # (N=1536 and 4096 at K=7168, 64x64 tiles; N=5120 K=8192, 64x128), not the scored prefill schedules
+  for n, k, tile_n in [(1536, 7168, 64), (4096, 7168, 64), (5120, 8192, 128), (5120, 25600, 128)]:
+    config = pick(100, n, k)
+    assert (config.tile_m, config.tile_n, config.num_compute_wgs, config.persistent) == (64, tile_n, 1, False), n
+    _lower(100, n, k, config)
 
 
 def test_without_the_register_split_prefill_takes_schedules_that_fit_the_launch_registers(monkeypatch):
@@ -724,11 +730,18 @@ def test_measured_table_serves_its_device_and_bucket_only(monkeypatch):
 
 
 def test_heuristic_lowers_for_model_shapes():
+  """Every config the heuristic picks over the model shapes lowers, once per kernel structure it meets: the config
+  with the partial last row and column tiles present or not (the sizes beyond that change no code)."""
+  lowered = set()
   for n, k in MODEL_SHAPES:
     for m in (1, 12, 300, 4100):
       with _platform.abstract_h200():
         config = mosaic_backend.default_config(m, n, k, num_sms=132)
-      _lower(m, n, k, config)
+      structure = (config, m % config.tile_m == 0, n % config.tile_n == 0)
+      if structure not in lowered:
+        lowered.add(structure)
+        _lower(m, n, k, config)
+  assert len(lowered) >= 4, lowered
 
 
 # ------------------------------------------------------------------------------------------------------ on the H200

@@ -512,6 +512,8 @@ def test_eager_and_jitted_block_are_one_computation(rng, family):
     with helpers.count_compilations() as compiled:
       np.testing.assert_array_equal(np.asarray(layer(x), np.float32), eager)
     assert not compiled, compiled
+    if n:
+      continue  # the second shape checks the eager compile count only: the jitted forms compile as they did
     for jitted in (nnx.jit(lambda m, x: m(x))(layer, x), jax.jit(lambda m, x: m(x))(layer, x),
                    # the caller's ops around the block (exact ones: x and the output are what they were)
                    jax.jit(lambda m, x: (m((x.astype(F32) * 1.0).astype(x.dtype)).astype(F32) + 0.0))(layer, x)):

@@ -42,7 +42,7 @@ def _assert_same_choice(router, logits, bias, interpret=True):
   return ids, weights
 
 
-@pytest.mark.parametrize("t", [1, 3, 8, 9, 64, 70])
+@pytest.mark.parametrize("t", [1, 9, 64, 70])  # one token, a partial tile, one whole tile, a second tile
 def test_deepseek_v3_matches_xla_and_the_reference(rng, t):
   logits, bias = _logits(rng, t, 256), _bias(rng, 256)
   ids, weights = _assert_same_choice(DEEPSEEK, logits, bias)
