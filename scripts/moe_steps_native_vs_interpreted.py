@@ -26,7 +26,6 @@ from jaxfp8.moe import layer as L  # noqa: E402
 
 NATIVE_INTERPRET = bool(int(os.environ.get("PROBE_NATIVE_INTERPRET", "0")))  # 1: a CPU dry run
 cpu = jax.devices("cpu")[0]
-main = jax.devices()[0]
 
 
 def on(dev, tree):
@@ -128,9 +127,16 @@ def probe(h, i, seed_name, local):
 
 
 CASE = "tests/test_moe.py::test_every_id_local_changes_the_plan_not_the_result"
-for h, i in ((256, 128), (512, 256)):
-  for local in (True, False):
-    try:
-      probe(h, i, CASE, local)
-    except Exception as e:  # keep going: the next case may say more
-      print("  FAILED", type(e).__name__, str(e)[:400], flush=True)
+
+
+def main():
+  for h, i in ((256, 128), (512, 256)):
+    for local in (True, False):
+      try:
+        probe(h, i, CASE, local)
+      except Exception as e:  # noqa: BLE001 - keep going: the next case may say more
+        print("  FAILED", type(e).__name__, str(e)[:400], flush=True)
+
+
+if __name__ == "__main__":
+  main()
