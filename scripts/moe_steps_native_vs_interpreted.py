@@ -8,6 +8,7 @@ top-4) and the same at H=512, I=256, under that file's seeding:
 Prints, per step, how many elements differ (on the rows that hold a routed slot) and the first of them.
 PROBE_NATIVE_INTERPRET=1 interprets the "native" side too (a dry run on a machine without a GPU).
 """
+import importlib
 import os
 import pathlib
 import sys
@@ -16,16 +17,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-import test_moe as T  # noqa: E402  (the test's own case builders)
-from conftest import seeded_rng  # noqa: E402
-
-from jaxfp8 import moe  # noqa: E402
-from jaxfp8 import reference as ref  # noqa: E402
-from jaxfp8.moe import layer as L  # noqa: E402
+from jaxfp8 import moe
+from jaxfp8 import reference as ref
+from jaxfp8.moe import layer as L
 
 NATIVE_INTERPRET = bool(int(os.environ.get("PROBE_NATIVE_INTERPRET", "0")))  # 1: a CPU dry run
-cpu = jax.devices("cpu")[0]
+CASE = "tests/test_moe.py::test_every_id_local_changes_the_plan_not_the_result"
+
+
+def _tests():
+  """The test file's case builders and the suite's seeding (imported when run: importing them starts JAX's
+  backends)."""
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+  return importlib.import_module("test_moe"), importlib.import_module("conftest").seeded_rng
 
 
 def on(dev, tree):
@@ -68,6 +72,8 @@ def scales_rows(s, b_rows):
 
 
 def probe(h, i, seed_name, local):
+  T, seeded_rng = _tests()
+  cpu = jax.devices("cpu")[0]
   rng = seeded_rng(seed_name)
   experts = tuple(map(jnp.asarray, T._experts(rng, e=6, h=h, i=i)))
   x = jnp.asarray(rng.standard_normal((20, h)), jnp.bfloat16)
@@ -84,7 +90,7 @@ def probe(h, i, seed_name, local):
   print(f"  whole layer native rel err {ref.relative_error(whole, want):.4f}", flush=True)
   ids_j, w_j = jnp.asarray(ids), jnp.asarray(weights)
   d = L.dispatch(ids_j, 6, pn)
-  dc = L.dispatch(on(cpu, ids_j), 6, on(cpu, pi))
+  dc = L.dispatch(on(cpu, ids_j), 6, pi)
   for f in ("order", "rank", "group_sizes", "live"):
     compare("dispatch." + f, getattr(d, f), getattr(dc, f))
   live_rows = rows_of(d, ids, 6)
@@ -124,9 +130,6 @@ def probe(h, i, seed_name, local):
   compare("combine.out", out, outc)
   print(f"  steps native rel err {ref.relative_error(np32(out), want):.4f}, whole vs steps differ "
         f"{int((np32(out) != whole).sum())}", flush=True)
-
-
-CASE = "tests/test_moe.py::test_every_id_local_changes_the_plan_not_the_result"
 
 
 def main():

@@ -514,17 +514,17 @@ def test_mosaic_block_sizes_interpreted(rng, block_index, kind_index):
   (structure, block size), so that each structure and each block size meets both."""
   block_size, kind = OTHER_BLOCK_SIZES[block_index], BLOCK_SIZE_KINDS[kind_index]
   k = 320 if block_size[1] == 64 else 384
-  for layout in [("ragged", "masked")[(block_index + kind_index) % 2]]:
-    if layout == "ragged":
-      case = _ragged_case(rng, [70, 0, 1, 60, 0, 10], 150, 200, k, block_size, column_major=True)
-      call = jaxfp8.ragged_w8a8_block_fp8_matmul
-    else:
-      case = _masked_case(rng, [5, 0, 70, 33], 70, 200, k, block_size, column_major=True)
-      call = jaxfp8.masked_w8a8_block_fp8_matmul
-    args, expect = _block_spread(rng, case[0], layout, block_size, True)
-    out = call(*args, block_size, a_s_column_major=True, out_dtype=jnp.float32, implementation="mosaic",
-               config=KINDS[kind])
-    _check(out, expect, jnp.float32)
+  layout = ("ragged", "masked")[(block_index + kind_index) % 2]
+  if layout == "ragged":
+    case = _ragged_case(rng, [70, 0, 1, 60, 0, 10], 150, 200, k, block_size, column_major=True)
+    call = jaxfp8.ragged_w8a8_block_fp8_matmul
+  else:
+    case = _masked_case(rng, [5, 0, 70, 33], 70, 200, k, block_size, column_major=True)
+    call = jaxfp8.masked_w8a8_block_fp8_matmul
+  args, expect = _block_spread(rng, case[0], layout, block_size, True)
+  out = call(*args, block_size, a_s_column_major=True, out_dtype=jnp.float32, implementation="mosaic",
+             config=KINDS[kind])
+  _check(out, expect, jnp.float32)
 
 
 # masked_m of T = 70 rows (a partial last row tile) and the live tiles (items x 2 column tiles) each leaves for a grid

@@ -206,8 +206,8 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: i
     # (128-wide tiles load the A tile half as often); jaxfp8.linear hands over 64-row buffers instead, and
     # block_fp8_matmul chooses by the rows it reads, so they get the M=64 choice.
     tile_n = 128 if m <= 16 or n // 128 >= num_sms // 2 else 64
-  elif m <= 2 * WGMMA_M and (_balance(cdiv(m, WGMMA_M) * cdiv(n, 128), num_sms) >= 0.8
-                             or cdiv(m, WGMMA_M) * cdiv(n, 128) <= num_sms):
+  elif m <= 2 * WGMMA_M and ((decode_ctas := cdiv(m, WGMMA_M) * cdiv(n, 128)) <= num_sms
+                             or _balance(decode_ctas, num_sms) >= 0.8):
     # M = 65..128: the decode schedule over two 64-row tiles still streams the weight faster than any two-warpgroup
     # tile can compute it, where its CTAs (one per 64x128 tile) fill most of a wave (M=128: N=7168
     # K=18432, 112 CTAs: 40.2 us, the best two-warpgroup schedule 51.2; N=24576 K=7168, 384 CTAs: 56.2 vs 57.6 for
@@ -215,7 +215,7 @@ def default_config(m: int, n: int, k: int, out_dtype=jnp.bfloat16, *, num_sms: i
     # those 128x128 tiles, so it goes to the scored schedules. Within one wave it wins however few its CTAs, with
     # 64-wide column tiles while those too fit one wave (H100 sweep at M=100: N=1536 K=7168 11.5 us on 64x64 tiles
     # against 21.2 for the scored schedule, N=4096 K=7168 14.9 vs 22.0; N=5120 K=8192 on 64x128 19.5 vs 24.6).
-    tile_n = 64 if cdiv(m, WGMMA_M) * cdiv(n, 128) < num_sms // 2 else 128
+    tile_n = 64 if decode_ctas < num_sms // 2 else 128
   else:
     tile_n = None  # the scored prefill schedules
   if tile_n is None:
